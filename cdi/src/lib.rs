@@ -1,0 +1,1 @@
+//! gpucr-cdi: the host-specific parts of a container spec.

@@ -1,0 +1,1 @@
+//! gpucr CRIU plugin (CRIU 4.x plugin ABI).

@@ -1,0 +1,1 @@
+//! gpucr shim library

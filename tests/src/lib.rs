@@ -1,0 +1,1 @@
+//! Test harness: starts containerd with a temporary config and builds images by hand.
