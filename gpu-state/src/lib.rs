@@ -1,3 +1,14 @@
-//! gpu-state: everything gpucr knows about GPU state.
-//!
-//! - `driver`: a safe API over the CUDA driver's `cuCheckpointProcess*` calls (dlopen of libcuda).
+#![doc = include_str!("../README.md")]
+
+pub mod driver;
+pub mod error;
+pub mod inventory;
+pub mod process;
+
+pub use driver::{CheckpointApi, CudaDriver, GpuPair, GpuUuid, ProcessState, Step};
+pub use error::{DiscoveryError, DriverError, RecordError};
+pub use inventory::{check_compatibility, CompatibilityError, Inventory};
+pub use process::{
+    GpuCheckpointRecord, GpuProcess, GpuProcessSet, OrchestrationError, ProcessSource,
+    StepTimeouts, RECORD_FILE_NAME,
+};
