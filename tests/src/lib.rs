@@ -1,1 +1,42 @@
 //! Test harness: starts containerd with a temporary config and builds images by hand.
+//!
+//! - [`Containerd`] runs a private daemon (own root, state, sockets, namespace, log) with the
+//!   directory of `containerd-shim-gpucr-v2` first in its PATH, and cleans everything up on
+//!   drop, printing the daemon's log tail when the test panicked.
+//! - [`image`] packs a busybox rootfs, and containerd checkpoint images, as OCI layouts.
+//! - [`task`] and [`checkpoint`] wrap `ctr` for the tests; [`command::Cmd`] runs anything with
+//!   a timeout; [`poll::poll_until`] waits for conditions.
+//!
+//! The runtime under test comes from `GPUCR_TEST_RUNTIME` (default `io.containerd.gpucr.v2`);
+//! run with `GPUCR_TEST_RUNTIME=io.containerd.runc.v2` to check the tests against the stock
+//! runc shim.
+
+pub mod checkpoint;
+pub mod command;
+pub mod containerd;
+pub mod error;
+pub mod image;
+pub mod poll;
+pub mod procfs;
+pub mod shim_client;
+pub mod task;
+
+pub use command::{Cmd, Output};
+pub use containerd::{runtime_under_test, shim_dir, Containerd, GPUCR_RUNTIME, RUNC_RUNTIME};
+pub use error::{HarnessError, Result};
+pub use poll::poll_until;
+pub use task::{counter_args, COUNTER_FILE, COUNTER_SCRIPT};
+
+/// Starts a daemon and imports the busybox image; returns both. Panics with context on error.
+pub fn setup() -> (Containerd, String) {
+    let containerd = Containerd::start().unwrap_or_else(|e| panic!("starting containerd: {e}"));
+    let image = containerd
+        .import_busybox()
+        .unwrap_or_else(|e| panic!("importing the busybox image: {e}"));
+    (containerd, image)
+}
+
+/// A container id unique to this test process and `name`.
+pub fn unique_id(name: &str) -> String {
+    format!("{name}-{}", std::process::id())
+}
