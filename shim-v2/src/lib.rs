@@ -1,1 +1,23 @@
-//! gpucr shim library
+//! gpucr's containerd shim v2 (`io.containerd.gpucr.v2`): a full runtime over runc, with
+//! checkpoint/restore through CRIU and (for GPU containers) the CUDA driver.
+//!
+//! Layers, top down: `service` (the shim binary's lifecycle) → `task` (the ttrpc Task API)
+//! → `container` + `checkpoint` (verbs on one task) → `process` (state machines) → `runc`,
+//! `io`, `reaper` (the outside world).
+
+pub mod checkpoint;
+pub mod container;
+pub mod error;
+pub mod events;
+pub mod io;
+pub mod logger;
+pub mod options;
+pub mod process;
+pub mod reaper;
+pub mod runc;
+pub mod service;
+pub mod stats;
+pub mod task;
+
+/// The runtime name containerd knows this shim by.
+pub const RUNTIME_ID: &str = "io.containerd.gpucr.v2";

@@ -1,0 +1,310 @@
+//! Checkpoint of a task (`runc checkpoint` through CRIU) and the checks a checkpoint image
+//! must pass before a restore touches anything.
+//!
+//! Every checkpoint writes `gpucr-checkpoint.json` into the image: the files and their sizes
+//! (and a checksum of the small ones), so a truncated or damaged image is refused at Create.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Instant,
+};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    container::Container,
+    error::{Error, IoContext, Result},
+    options::CheckpointRequest,
+    process::state::{InitState, Verb},
+    runc::CheckpointOpts,
+};
+
+pub const MANIFEST: &str = "gpucr-checkpoint.json";
+const MANIFEST_VERSION: u32 = 1;
+/// Files up to this size get a checksum; larger ones (memory pages) are checked by size.
+const CHECKSUM_LIMIT: u64 = 1 << 20;
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct Manifest {
+    pub version: u32,
+    pub container_id: String,
+    pub created_at: String,
+    pub leave_running: bool,
+    pub dump_ms: u64,
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct FileEntry {
+    pub size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fnv1a64: Option<String>,
+}
+
+fn fnv1a64(data: &[u8]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in data {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
+    let mut files = BTreeMap::new();
+    for e in std::fs::read_dir(dir).ctx(|| format!("reading {}", dir.display()))? {
+        let e = e.ctx(|| format!("reading {}", dir.display()))?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let md = e.metadata().ctx(|| format!("stat {name}"))?;
+        if !md.is_file() || name == MANIFEST {
+            continue;
+        }
+        let fnv = if md.len() <= CHECKSUM_LIMIT {
+            let data = std::fs::read(e.path()).ctx(|| format!("reading {name}"))?;
+            Some(fnv1a64(&data))
+        } else {
+            None
+        };
+        files.insert(
+            name,
+            FileEntry {
+                size: md.len(),
+                fnv1a64: fnv,
+            },
+        );
+    }
+    Ok(files)
+}
+
+/// First error line CRIU wrote to a dump or restore log.
+pub fn criu_first_error(log: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(log).ok()?;
+    text.lines()
+        .find(|l| l.contains("Error (") || l.starts_with("Error"))
+        .map(|l| l.trim().to_string())
+}
+
+/// Refuses an image that is missing, not a CRIU image, or does not match its manifest.
+pub fn validate_image(id: &str, image: &Path) -> Result<()> {
+    let refuse = |msg: String| Error::Restore {
+        id: id.to_string(),
+        image: image.to_path_buf(),
+        msg,
+    };
+    if !image.is_dir() {
+        return Err(refuse(
+            "the checkpoint directory does not exist (was the checkpoint taken, and is the path \
+             on this node?)"
+                .into(),
+        ));
+    }
+    if !image.join("inventory.img").is_file() {
+        return Err(refuse(
+            "no inventory.img: this is not a CRIU checkpoint image, or it is incomplete".into(),
+        ));
+    }
+    let manifest_path = image.join(MANIFEST);
+    if !manifest_path.exists() {
+        // An image from another tool (plain runc, podman): CRIU checks it itself.
+        return Ok(());
+    }
+    let text = std::fs::read_to_string(&manifest_path)
+        .map_err(|e| refuse(format!("cannot read {MANIFEST}: {e}")))?;
+    let manifest: Manifest = serde_json::from_str(&text)
+        .map_err(|e| refuse(format!("{MANIFEST} is damaged: {e}")))?;
+    if manifest.version > MANIFEST_VERSION {
+        return Err(refuse(format!(
+            "{MANIFEST} version {} is newer than this gpucr understands ({MANIFEST_VERSION}); \
+             upgrade gpucr",
+            manifest.version
+        )));
+    }
+    let found = scan(image)?;
+    for (name, want) in &manifest.files {
+        match found.get(name) {
+            None => return Err(refuse(format!("file {name} is missing from the image"))),
+            Some(got) if got.size != want.size => {
+                return Err(refuse(format!(
+                    "file {name} is {} bytes, the checkpoint wrote {} (truncated or damaged)",
+                    got.size, want.size
+                )))
+            }
+            Some(got) if want.fnv1a64.is_some() && got.fnv1a64 != want.fnv1a64 => {
+                return Err(refuse(format!(
+                    "file {name} does not match its checksum (damaged)"
+                )))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+impl Container {
+    fn work_dir(&self, req: &CheckpointRequest) -> PathBuf {
+        if !req.work_path.is_empty() {
+            PathBuf::from(&req.work_path)
+        } else if !self.opts.criu_work_path.is_empty() {
+            PathBuf::from(&self.opts.criu_work_path)
+        } else {
+            // Kept after the checkpoint: CRI and nerdctl look for dump.log and stats-dump.
+            self.bundle.join("criu-work")
+        }
+    }
+
+    /// Checkpoints the task into `image`. On failure the task is left running (resumed if
+    /// the failed dump left it frozen) and CRIU's log is kept in the bundle.
+    pub async fn checkpoint(&self, image: &Path, req: &CheckpointRequest) -> Result<()> {
+        let init = self.init.lock().await;
+        init.state.next(Verb::Checkpoint)?;
+        let work = self.work_dir(req);
+        if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        for d in [image, work.as_path()] {
+            std::fs::create_dir_all(d).ctx(|| format!("creating {}", d.display()))?;
+        }
+        let opts = CheckpointOpts {
+            image_path: image.to_path_buf(),
+            work_path: Some(work.clone()),
+            parent_path: None,
+            leave_running: !req.exit,
+            tcp_established: req.open_tcp,
+            ext_unix_sk: req.external_unix_sockets,
+            shell_job: req.terminal || self.stdio.terminal,
+            file_locks: req.file_locks,
+            empty_ns: req.empty_namespaces.clone(),
+            manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
+        };
+        let started = Instant::now();
+        tracing::info!(id = %self.id, image = %image.display(), exit = req.exit, "checkpoint");
+        if let Err(e) = self.runc.checkpoint(&self.id, &opts).await {
+            let log = work.join("dump.log");
+            let kept = self.bundle.join("criu-dump.log");
+            let _ = std::fs::copy(&log, &kept);
+            self.ensure_running(init.state).await;
+            let msg = match criu_first_error(&log) {
+                Some(line) => format!("{e}; CRIU: {line}"),
+                None => e.to_string(),
+            };
+            tracing::error!(id = %self.id, "checkpoint failed: {msg}");
+            return Err(Error::Checkpoint {
+                id: self.id.clone(),
+                msg,
+                log: kept,
+            });
+        }
+        let dump_ms = started.elapsed().as_millis() as u64;
+        let manifest = Manifest {
+            version: MANIFEST_VERSION,
+            container_id: self.id.clone(),
+            created_at: humantime_now(),
+            leave_running: !req.exit,
+            dump_ms,
+            files: scan(image)?,
+        };
+        let path = image.join(MANIFEST);
+        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+        std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))?;
+        tracing::info!(id = %self.id, dump_ms, "checkpointed");
+        Ok(())
+    }
+
+    /// After a failed dump: the task must be running again unless the client paused it.
+    async fn ensure_running(&self, ours: InitState) {
+        if ours != InitState::Running {
+            return;
+        }
+        if let Ok(st) = self.runc.state(&self.id).await {
+            if st.status == "paused" {
+                if let Err(e) = self.runc.resume(&self.id).await {
+                    tracing::error!(id = %self.id, "resuming after a failed checkpoint: {e}");
+                }
+            }
+        }
+    }
+}
+
+fn humantime_now() -> String {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!("{}", d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn image_with_manifest() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("inventory.img"), b"inv").unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), vec![7u8; 4096]).unwrap();
+        let m = Manifest {
+            version: MANIFEST_VERSION,
+            container_id: "c".into(),
+            created_at: "0".into(),
+            leave_running: true,
+            dump_ms: 1,
+            files: scan(dir.path()).unwrap(),
+        };
+        std::fs::write(
+            dir.path().join(MANIFEST),
+            serde_json::to_vec(&m).unwrap(),
+        )
+        .unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_whole_image_passes() {
+        let dir = image_with_manifest();
+        validate_image("c", dir.path()).unwrap();
+    }
+
+    #[test]
+    fn missing_truncated_and_damaged_images_are_refused() {
+        let e = validate_image("c", Path::new("/nonexistent/ckpt")).unwrap_err();
+        assert!(e.to_string().contains("does not exist"), "{e}");
+
+        let empty = tempfile::tempdir().unwrap();
+        let e = validate_image("c", empty.path()).unwrap_err();
+        assert!(e.to_string().contains("inventory.img"), "{e}");
+
+        let dir = image_with_manifest();
+        std::fs::write(dir.path().join("pages-1.img"), vec![7u8; 100]).unwrap();
+        let e = validate_image("c", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+
+        let dir = image_with_manifest();
+        std::fs::write(dir.path().join("pages-1.img"), vec![8u8; 4096]).unwrap();
+        let e = validate_image("c", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("checksum"), "{e}");
+
+        let dir = image_with_manifest();
+        std::fs::remove_file(dir.path().join("pages-1.img")).unwrap();
+        let e = validate_image("c", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+
+        let dir = image_with_manifest();
+        std::fs::write(dir.path().join(MANIFEST), b"{not json").unwrap();
+        let e = validate_image("c", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("damaged"), "{e}");
+    }
+
+    #[test]
+    fn criu_error_line_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        std::fs::write(
+            &log,
+            "(00.001) Version: 4.1\n(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping\n(00.3) Error (x): later\n",
+        )
+        .unwrap();
+        assert_eq!(
+            criu_first_error(&log).unwrap(),
+            "(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping"
+        );
+    }
+}

@@ -1,0 +1,468 @@
+//! The `Container` aggregate: one task's init process, its exec processes, and the runc
+//! handle they share. Verbs here do the work; the service (task.rs) maps RPCs onto them.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc,
+    },
+    time::{Duration, SystemTime},
+};
+
+use containerd_shim_protos::{api::Mount, protobuf::well_known_types::any::Any};
+use tokio::sync::Mutex;
+
+use crate::{
+    error::{Error, IoContext, Result},
+    io::{IoOwner, PendingIo, StdioSpec},
+    options::RuntimeOptions,
+    process::{
+        exec::ExecProcess,
+        init::InitProcess,
+        state::{ExecState, InitState, Verb},
+        ExitCell, ExitInfo,
+    },
+    reaper::Spawner,
+    runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
+};
+
+/// How long an exit waits for the process's output to drain before it is reported.
+const OUTPUT_DRAIN: Duration = Duration::from_secs(2);
+
+pub struct Container {
+    pub id: String,
+    pub bundle: PathBuf,
+    pub namespace: String,
+    pub runc: Runc,
+    pub opts: RuntimeOptions,
+    pub stdio: StdioSpec,
+    pub rootfs: Vec<Mount>,
+    /// The init process; held across one verb (see InitProcess).
+    pub init: Mutex<InitProcess>,
+    pub init_exit: ExitCell,
+    /// Copy of the init pid readable without the lock (Connect, exit routing).
+    pub init_pid: AtomicU32,
+    /// Exec processes by exec id. A std mutex: never held across an await.
+    pub execs: std::sync::Mutex<HashMap<String, Arc<ExecProcess>>>,
+}
+
+/// Everything Create needs.
+pub struct CreateConfig {
+    pub id: String,
+    pub bundle: PathBuf,
+    pub namespace: String,
+    pub rootfs: Vec<Mount>,
+    pub stdio: StdioSpec,
+    pub checkpoint: Option<PathBuf>,
+    pub parent_checkpoint: Option<PathBuf>,
+    pub opts: RuntimeOptions,
+}
+
+fn read_pid(path: &Path) -> Result<u32> {
+    let s = std::fs::read_to_string(path).ctx(|| format!("reading pid file {}", path.display()))?;
+    s.trim().parse().map_err(|_| Error::Runtime {
+        op: "read pid file",
+        msg: format!("{} holds {:?}, not a pid", path.display(), s.trim()),
+    })
+}
+
+pub fn mount_rootfs(rootfs: &[Mount], bundle: &Path) -> Result<()> {
+    if rootfs.is_empty() {
+        return Ok(());
+    }
+    let target = bundle.join("rootfs");
+    std::fs::create_dir_all(&target).ctx(|| format!("creating {}", target.display()))?;
+    for m in rootfs {
+        containerd_shim::mount::mount_rootfs(
+            Some(m.type_.as_str()).filter(|t| !t.is_empty()),
+            Some(m.source.as_str()).filter(|s| !s.is_empty()),
+            &m.options,
+            &target,
+        )
+        .map_err(|e| Error::Runtime {
+            op: "mount rootfs",
+            msg: format!("{} on {}: {e}", m.source, target.display()),
+        })?;
+    }
+    Ok(())
+}
+
+pub fn unmount_rootfs(bundle: &Path) {
+    let target = bundle.join("rootfs");
+    if let Err(e) = containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH) {
+        tracing::warn!(rootfs = %target.display(), "unmount: {e}");
+    }
+}
+
+impl Container {
+    /// Create: mount the rootfs (always by the end of Create: CRI unpacks a checkpoint's rootfs
+    /// diff between Create and Start), then `runc create`, or arm a restore.
+    pub async fn create(cfg: CreateConfig, spawner: Spawner) -> Result<Container> {
+        let runc = Runc {
+            binary: cfg.opts.binary().to_string(),
+            root: cfg.opts.runc_root(&cfg.namespace),
+            systemd_cgroup: cfg.opts.systemd_cgroup,
+            log: cfg.bundle.join("log.json"),
+            spawner: spawner.clone(),
+        };
+        if let Some(image) = &cfg.checkpoint {
+            crate::checkpoint::validate_image(&cfg.id, image)?;
+        }
+        mount_rootfs(&cfg.rootfs, &cfg.bundle)?;
+        let init = match &cfg.checkpoint {
+            Some(image) => {
+                let work = if cfg.opts.criu_work_path.is_empty() {
+                    cfg.bundle.join("criu-work")
+                } else {
+                    PathBuf::from(&cfg.opts.criu_work_path)
+                };
+                InitProcess::armed_restore(RestoreOpts {
+                    checkpoint: CheckpointOpts {
+                        image_path: image.clone(),
+                        work_path: Some(work),
+                        parent_path: cfg.parent_checkpoint.clone(),
+                        shell_job: cfg.stdio.terminal,
+                        ..Default::default()
+                    },
+                    bundle: cfg.bundle.clone(),
+                    pid_file: cfg.bundle.join("init.pid"),
+                    console_socket: None,
+                    no_pivot: cfg.opts.no_pivot_root,
+                })
+            }
+            None => {
+                let pid_file = cfg.bundle.join("init.pid");
+                let created = async {
+                    let (child, pending) = PendingIo::prepare(
+                        &cfg.stdio,
+                        IoOwner {
+                            id: &cfg.id,
+                            namespace: &cfg.namespace,
+                        },
+                        &spawner,
+                    )?;
+                    let opts = CreateOpts {
+                        bundle: &cfg.bundle,
+                        pid_file: &pid_file,
+                        console_socket: pending.console_socket(),
+                        no_pivot: cfg.opts.no_pivot_root,
+                    };
+                    runc.create(&cfg.id, opts, child).await?;
+                    let io = pending.finish().await?;
+                    let pid = read_pid(&pid_file)?;
+                    Ok::<_, Error>(InitProcess::created(pid, io))
+                }
+                .await;
+                match created {
+                    Ok(init) => init,
+                    Err(e) => {
+                        let _ = runc.delete(&cfg.id, true).await;
+                        unmount_rootfs(&cfg.bundle);
+                        return Err(e);
+                    }
+                }
+            }
+        };
+        let pid = init.pid;
+        Ok(Container {
+            id: cfg.id,
+            bundle: cfg.bundle,
+            namespace: cfg.namespace,
+            runc,
+            opts: cfg.opts,
+            stdio: cfg.stdio,
+            rootfs: cfg.rootfs,
+            init: Mutex::new(init),
+            init_exit: ExitCell::default(),
+            init_pid: AtomicU32::new(pid),
+            execs: std::sync::Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.init_pid.load(Ordering::SeqCst)
+    }
+
+    /// Start the init process: `runc start`, or `runc restore` when Create armed one.
+    /// `on_pid` registers the new pid with the reaper routing before the lock is released.
+    pub async fn start(&self, on_pid: impl FnOnce(u32)) -> Result<u32> {
+        let mut init = self.init.lock().await;
+        let next = init.state.next(Verb::Start)?;
+        if let Some(restore) = init.restore.clone() {
+            let (pid, io) = self.restore(&restore).await?;
+            init.pid = pid;
+            init.io = io;
+            init.restore = None;
+        } else {
+            self.runc.start(&self.id).await?;
+        }
+        init.state = next;
+        self.init_pid.store(init.pid, Ordering::SeqCst);
+        on_pid(init.pid);
+        Ok(init.pid)
+    }
+
+    async fn restore(&self, r: &RestoreOpts) -> Result<(u32, crate::io::ProcessIo)> {
+        let started = std::time::Instant::now();
+        let (child, pending) = PendingIo::prepare(
+            &self.stdio,
+            IoOwner {
+                id: &self.id,
+                namespace: &self.namespace,
+            },
+            &self.runc.spawner,
+        )?;
+        let mut r = r.clone();
+        r.console_socket = pending.console_socket().map(Path::to_path_buf);
+        if let Some(w) = &r.checkpoint.work_path {
+            std::fs::create_dir_all(w).ctx(|| format!("creating {}", w.display()))?;
+        }
+        let res = async {
+            self.runc.restore(&self.id, &r, child).await?;
+            let io = pending.finish().await?;
+            let pid = read_pid(&r.pid_file)?;
+            Ok::<_, Error>((pid, io))
+        }
+        .await;
+        match res {
+            Ok(v) => {
+                tracing::info!(id = %self.id, image = %r.checkpoint.image_path.display(),
+                    elapsed_ms = started.elapsed().as_millis() as u64, "restored");
+                Ok(v)
+            }
+            Err(e) => {
+                // Leave nothing half-created: runc may have registered the container.
+                let _ = self.runc.delete(&self.id, true).await;
+                let criu = r
+                    .checkpoint
+                    .work_path
+                    .as_deref()
+                    .map(|w| w.join("restore.log"))
+                    .and_then(|log| crate::checkpoint::criu_first_error(&log).map(|l| (log, l)));
+                let msg = match criu {
+                    Some((log, line)) => format!("{e}; CRIU: {line} (see {})", log.display()),
+                    None => e.to_string(),
+                };
+                Err(Error::Restore {
+                    id: self.id.clone(),
+                    image: r.checkpoint.image_path.clone(),
+                    msg,
+                })
+            }
+        }
+    }
+
+    pub async fn pause(&self) -> Result<()> {
+        let mut init = self.init.lock().await;
+        let next = init.state.next(Verb::Pause)?;
+        self.runc.pause(&self.id).await?;
+        init.state = next;
+        Ok(())
+    }
+
+    pub async fn resume(&self) -> Result<()> {
+        let mut init = self.init.lock().await;
+        let next = init.state.next(Verb::Resume)?;
+        self.runc.resume(&self.id).await?;
+        init.state = next;
+        Ok(())
+    }
+
+    pub async fn kill(&self, signal: u32, all: bool) -> Result<()> {
+        let init = self.init.lock().await;
+        if init.state == InitState::Stopped {
+            return Err(Error::ProcessNotFound {
+                id: self.id.clone(),
+                exec_id: String::new(),
+            });
+        }
+        init.state.next(Verb::Kill)?;
+        if init.state == InitState::CreatedCheckpoint {
+            return Ok(()); // nothing runs yet
+        }
+        self.runc.kill(&self.id, signal, all).await
+    }
+
+    pub async fn update(&self, resources: &Any) -> Result<()> {
+        let init = self.init.lock().await;
+        init.state.next(Verb::Update)?;
+        let path = self.bundle.join("update-resources.json");
+        std::fs::write(&path, &resources.value).ctx(|| format!("writing {}", path.display()))?;
+        let res = self.runc.update(&self.id, &path).await;
+        let _ = std::fs::remove_file(&path);
+        res
+    }
+
+    /// Delete the init process: runc delete, unmount, stop stdio. Returns its exit.
+    pub async fn delete(&self) -> Result<ExitInfo> {
+        let mut init = self.init.lock().await;
+        let from = init.state;
+        let next = from.next(Verb::Delete)?;
+        match from {
+            InitState::CreatedCheckpoint => {}
+            _ => {
+                if let Err(e) = self.runc.delete(&self.id, from == InitState::Created).await {
+                    // A container runc no longer knows is already gone: that is a delete.
+                    let st = self.runc.state(&self.id).await;
+                    if st.is_ok() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        init.io.shutdown();
+        init.state = next;
+        drop(init);
+        unmount_rootfs(&self.bundle);
+        let exit = self.init_exit.get().unwrap_or(ExitInfo {
+            // Deleted before it ever ran (or killed by runc delete just now).
+            status: if from == InitState::Created { 137 } else { 0 },
+            at: SystemTime::now(),
+        });
+        self.init_exit.set(exit);
+        Ok(exit)
+    }
+
+    /// The reaper saw the init process exit.
+    pub async fn init_exited(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
+        let mut init = self.init.lock().await;
+        match init.state.next(Verb::Exit) {
+            Ok(next) => init.state = next,
+            Err(_) => return None, // deleted already: reported by Delete
+        }
+        let mut io = std::mem::take(&mut init.io);
+        drop(init);
+        io.wait_outputs(OUTPUT_DRAIN).await;
+        let info = ExitInfo {
+            status: status as u32,
+            at,
+        };
+        self.init_exit.set(info).then_some(info)
+    }
+
+    pub async fn state(&self) -> InitState {
+        self.init.lock().await.state
+    }
+
+    // --- exec processes ---
+
+    pub fn exec(&self, exec_id: &str) -> Result<Arc<ExecProcess>> {
+        self.execs
+            .lock()
+            .expect("execs lock")
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| Error::ProcessNotFound {
+                id: self.id.clone(),
+                exec_id: exec_id.to_string(),
+            })
+    }
+
+    pub async fn add_exec(&self, exec_id: &str, spec: Any, stdio: StdioSpec) -> Result<()> {
+        self.init.lock().await.state.next(Verb::Exec)?;
+        let mut execs = self.execs.lock().expect("execs lock");
+        if execs.contains_key(exec_id) {
+            return Err(Error::AlreadyExists(format!("{}/{exec_id}", self.id)));
+        }
+        execs.insert(
+            exec_id.to_string(),
+            Arc::new(ExecProcess::new(exec_id.to_string(), spec, stdio)),
+        );
+        Ok(())
+    }
+
+    pub async fn start_exec(&self, p: &ExecProcess, on_pid: impl FnOnce(u32)) -> Result<u32> {
+        let mut inner = p.inner.lock().await;
+        let next = inner.state.next(Verb::Start).map_err(|e| Error::Runtime {
+            op: "exec start",
+            msg: e.to_string(),
+        })?;
+        let process_json = self.bundle.join(format!("exec-{}.json", p.exec_id));
+        let pid_file = self.bundle.join(format!("exec-{}.pid", p.exec_id));
+        std::fs::write(&process_json, &p.spec.value)
+            .ctx(|| format!("writing {}", process_json.display()))?;
+        let res = async {
+            let (child, pending) = PendingIo::prepare(
+                &p.stdio,
+                IoOwner {
+                    id: &self.id,
+                    namespace: &self.namespace,
+                },
+                &self.runc.spawner,
+            )?;
+            let opts = ExecOpts {
+                process_json: &process_json,
+                pid_file: &pid_file,
+                console_socket: pending.console_socket(),
+            };
+            self.runc.exec(&self.id, opts, child).await?;
+            let io = pending.finish().await?;
+            let pid = read_pid(&pid_file)?;
+            Ok::<_, Error>((pid, io))
+        }
+        .await;
+        let _ = std::fs::remove_file(&process_json);
+        let _ = std::fs::remove_file(&pid_file);
+        let (pid, io) = res?;
+        inner.pid = pid;
+        inner.io = io;
+        inner.state = next;
+        on_pid(pid);
+        Ok(pid)
+    }
+
+    pub async fn kill_exec(&self, p: &ExecProcess, signal: u32) -> Result<()> {
+        let inner = p.inner.lock().await;
+        if inner.state == ExecState::Stopped || inner.pid == 0 {
+            return Err(Error::ProcessNotFound {
+                id: self.id.clone(),
+                exec_id: p.exec_id.clone(),
+            });
+        }
+        let sig = nix::sys::signal::Signal::try_from(signal as i32)
+            .map_err(|_| Error::invalid(format!("signal {signal} is not a valid signal")))?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(inner.pid as i32), sig).map_err(|e| {
+            if e == nix::errno::Errno::ESRCH {
+                Error::ProcessNotFound {
+                    id: self.id.clone(),
+                    exec_id: p.exec_id.clone(),
+                }
+            } else {
+                Error::io("kill exec process", e.into())
+            }
+        })
+    }
+
+    pub async fn delete_exec(&self, p: &ExecProcess) -> Result<ExitInfo> {
+        let mut inner = p.inner.lock().await;
+        let next = inner.state.next(Verb::Delete).map_err(|e| Error::Runtime {
+            op: "exec delete",
+            msg: e.to_string(),
+        })?;
+        inner.io.shutdown();
+        inner.state = next;
+        drop(inner);
+        self.execs.lock().expect("execs lock").remove(&p.exec_id);
+        let exit = p.exit.get().unwrap_or(ExitInfo {
+            status: 0,
+            at: SystemTime::now(),
+        });
+        p.exit.set(exit);
+        Ok(exit)
+    }
+
+    pub async fn exec_exited(&self, p: &ExecProcess, status: i32, at: SystemTime) -> Option<ExitInfo> {
+        let mut inner = p.inner.lock().await;
+        inner.state = inner.state.next(Verb::Exit).ok()?;
+        let mut io = std::mem::take(&mut inner.io);
+        drop(inner);
+        io.wait_outputs(OUTPUT_DRAIN).await;
+        let info = ExitInfo {
+            status: status as u32,
+            at,
+        };
+        p.exit.set(info).then_some(info)
+    }
+}

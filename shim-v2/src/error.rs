@@ -1,0 +1,139 @@
+//! The shim's error type, mapped to ttrpc status codes at exactly one boundary
+//! (`From<Error> for ttrpc::Error`), so containerd's errdefs see NotFound, AlreadyExists,
+//! FailedPrecondition and InvalidArgument where an operator expects them.
+
+use std::path::PathBuf;
+
+use containerd_shim_protos::ttrpc::{self, Code};
+
+use crate::process::state::StateError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("container {0} not found in this shim")]
+    ContainerNotFound(String),
+    #[error("process {exec_id} of container {id} not found")]
+    ProcessNotFound { id: String, exec_id: String },
+    #[error("container {0} already exists in this shim")]
+    AlreadyExists(String),
+    #[error(transparent)]
+    State(#[from] StateError),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("{op} failed: {msg}")]
+    Runtime { op: &'static str, msg: String },
+    #[error("checkpoint of {id} failed: {msg}; the container was left running, CRIU's log is at {log}")]
+    Checkpoint { id: String, msg: String, log: PathBuf },
+    #[error("restore of {id} from {image} failed: {msg}")]
+    Restore { id: String, image: PathBuf, msg: String },
+    #[error("GPU: {0}")]
+    Gpu(String),
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("decoding {what}: {msg}")]
+    Decode { what: &'static str, msg: String },
+    #[error("operation not supported: {0}")]
+    Unsupported(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    fn code(&self) -> Code {
+        match self {
+            Error::ContainerNotFound(_) | Error::ProcessNotFound { .. } => Code::NOT_FOUND,
+            Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
+            Error::State(_) => Code::FAILED_PRECONDITION,
+            Error::InvalidArgument(_) | Error::Decode { .. } => Code::INVALID_ARGUMENT,
+            Error::Unsupported(_) => Code::UNIMPLEMENTED,
+            Error::Runtime { .. }
+            | Error::Checkpoint { .. }
+            | Error::Restore { .. }
+            | Error::Gpu(_)
+            | Error::Io { .. } => Code::UNKNOWN,
+        }
+    }
+}
+
+/// Adds context to an io::Result.
+pub trait IoContext<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> IoContext<T> for std::io::Result<T> {
+    fn ctx(self, context: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| Error::io(context(), e))
+    }
+}
+
+impl From<Error> for ttrpc::Error {
+    fn from(e: Error) -> Self {
+        ttrpc::Error::RpcStatus(ttrpc::get_status(e.code(), e.to_string()))
+    }
+}
+
+impl From<protobuf::Error> for Error {
+    fn from(e: protobuf::Error) -> Self {
+        Error::Decode {
+            what: "protobuf message",
+            msg: e.to_string(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::process::state::{InitState, Verb};
+
+    fn code_of(e: Error) -> Code {
+        match ttrpc::Error::from(e) {
+            ttrpc::Error::RpcStatus(s) => s.code(),
+            other => panic!("not a status: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn errors_map_to_the_codes_containerd_expects() {
+        assert_eq!(code_of(Error::ContainerNotFound("a".into())), Code::NOT_FOUND);
+        assert_eq!(
+            code_of(Error::ProcessNotFound {
+                id: "a".into(),
+                exec_id: "b".into()
+            }),
+            Code::NOT_FOUND
+        );
+        assert_eq!(code_of(Error::AlreadyExists("a".into())), Code::ALREADY_EXISTS);
+        assert_eq!(
+            code_of(Error::State(StateError {
+                from: InitState::Stopped,
+                verb: Verb::Pause
+            })),
+            Code::FAILED_PRECONDITION
+        );
+        assert_eq!(code_of(Error::invalid("x")), Code::INVALID_ARGUMENT);
+        assert_eq!(code_of(Error::Unsupported("x".into())), Code::UNIMPLEMENTED);
+        assert_eq!(
+            code_of(Error::Runtime {
+                op: "runc start",
+                msg: "boom".into()
+            }),
+            Code::UNKNOWN
+        );
+    }
+}

@@ -1,0 +1,350 @@
+//! Runtime and checkpoint options, decoded from whichever type a containerd client sends.
+//!
+//! - `containerd.runc.v1.Options` / `CheckpointOptions`: containerd's own runc types.
+//! - `containerd.linux.runc.CreateOptions` / `CheckpointOptions`: what containerd 1.7's Go
+//!   client sends to a runtime whose name is not `io.containerd.runc.*`.
+//! - `runtimeoptions.v1.Options`: what CRI sends to a non-runc runtime; its `config_body` is
+//!   the TOML of the runtime's `options` table (Go field names: `BinaryName`, `SystemdCgroup`…).
+
+use std::path::PathBuf;
+
+use containerd_shim_protos::{
+    protobuf::{well_known_types::any::Any, CodedInputStream, Message},
+    shim::oci,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The runc options that the shim honours, whatever type they came in.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeOptions {
+    pub binary_name: String,
+    pub root: String,
+    pub systemd_cgroup: bool,
+    pub no_pivot_root: bool,
+    pub no_new_keyring: bool,
+    pub io_uid: u32,
+    pub io_gid: u32,
+    pub criu_image_path: String,
+    pub criu_work_path: String,
+    pub shim_cgroup: String,
+}
+
+/// What one checkpoint asked for.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CheckpointRequest {
+    pub exit: bool,
+    pub open_tcp: bool,
+    pub external_unix_sockets: bool,
+    pub terminal: bool,
+    pub file_locks: bool,
+    pub empty_namespaces: Vec<String>,
+    pub cgroups_mode: String,
+    pub image_path: String,
+    pub work_path: String,
+}
+
+/// The last segment of a type URL (containerd writes bare names such as
+/// `containerd.runc.v1.Options`, others prefix `type.googleapis.com/`).
+fn type_name(any: &Any) -> &str {
+    any.type_url.rsplit('/').next().unwrap_or("")
+}
+
+impl RuntimeOptions {
+    pub fn default_binary() -> &'static str {
+        "runc"
+    }
+
+    pub fn binary(&self) -> &str {
+        if self.binary_name.is_empty() {
+            Self::default_binary()
+        } else {
+            &self.binary_name
+        }
+    }
+
+    pub fn decode(any: Option<&Any>) -> Result<RuntimeOptions> {
+        let Some(any) = any.filter(|a| !a.type_url.is_empty()) else {
+            return Ok(RuntimeOptions::default());
+        };
+        match type_name(any) {
+            "containerd.runc.v1.Options" | "containerd.runc.v1.options.Options" => {
+                let o = oci::Options::parse_from_bytes(&any.value)?;
+                Ok(RuntimeOptions {
+                    binary_name: o.binary_name,
+                    root: o.root,
+                    systemd_cgroup: o.systemd_cgroup,
+                    no_pivot_root: o.no_pivot_root,
+                    no_new_keyring: o.no_new_keyring,
+                    io_uid: o.io_uid,
+                    io_gid: o.io_gid,
+                    criu_image_path: o.criu_image_path,
+                    criu_work_path: o.criu_work_path,
+                    shim_cgroup: o.shim_cgroup,
+                })
+            }
+            "containerd.linux.runc.CreateOptions" => {
+                let f = Fields::decode(&any.value)?;
+                Ok(RuntimeOptions {
+                    no_pivot_root: f.bool(1),
+                    no_new_keyring: f.bool(8),
+                    shim_cgroup: f.string(9),
+                    io_uid: f.varint(10) as u32,
+                    io_gid: f.varint(11) as u32,
+                    criu_work_path: f.string(12),
+                    criu_image_path: f.string(13),
+                    ..Default::default()
+                })
+            }
+            "runtimeoptions.v1.Options" => {
+                let f = Fields::decode(&any.value)?;
+                let body = f.string(3);
+                let path = f.string(2);
+                let toml_text = if body.is_empty() && !path.is_empty() {
+                    std::fs::read_to_string(&path).map_err(|e| {
+                        Error::io(format!("reading runtime options file {path}"), e)
+                    })?
+                } else {
+                    body
+                };
+                Self::from_toml(&toml_text)
+            }
+            other => Err(Error::invalid(format!(
+                "runtime options of type {other:?} are not understood by gpucr \
+                 (use containerd.runc.v1.Options)"
+            ))),
+        }
+    }
+
+    fn from_toml(text: &str) -> Result<RuntimeOptions> {
+        #[derive(Deserialize, Default)]
+        #[serde(default, rename_all = "PascalCase")]
+        struct GoNames {
+            binary_name: String,
+            root: String,
+            systemd_cgroup: bool,
+            no_pivot_root: bool,
+            no_new_keyring: bool,
+            io_uid: u32,
+            io_gid: u32,
+            criu_image_path: String,
+            criu_work_path: String,
+            shim_cgroup: String,
+        }
+        let g: GoNames = toml::from_str(text).map_err(|e| Error::Decode {
+            what: "runtime options TOML",
+            msg: e.to_string(),
+        })?;
+        Ok(RuntimeOptions {
+            binary_name: g.binary_name,
+            root: g.root,
+            systemd_cgroup: g.systemd_cgroup,
+            no_pivot_root: g.no_pivot_root,
+            no_new_keyring: g.no_new_keyring,
+            io_uid: g.io_uid,
+            io_gid: g.io_gid,
+            criu_image_path: g.criu_image_path,
+            criu_work_path: g.criu_work_path,
+            shim_cgroup: g.shim_cgroup,
+        })
+    }
+
+    /// runc's state root: the option, else containerd's default per namespace.
+    pub fn runc_root(&self, namespace: &str) -> PathBuf {
+        if self.root.is_empty() {
+            PathBuf::from("/run/containerd/runc").join(namespace)
+        } else {
+            PathBuf::from(&self.root).join(namespace)
+        }
+    }
+}
+
+impl CheckpointRequest {
+    pub fn decode(any: Option<&Any>) -> Result<CheckpointRequest> {
+        let Some(any) = any.filter(|a| !a.type_url.is_empty()) else {
+            return Ok(CheckpointRequest::default());
+        };
+        match type_name(any) {
+            // Both types number their fields alike (exit=1 … work_path=9).
+            "containerd.runc.v1.CheckpointOptions"
+            | "containerd.runc.v1.options.CheckpointOptions"
+            | "containerd.linux.runc.CheckpointOptions" => {
+                let o = oci::CheckpointOptions::parse_from_bytes(&any.value)?;
+                Ok(CheckpointRequest {
+                    exit: o.exit,
+                    open_tcp: o.open_tcp,
+                    external_unix_sockets: o.external_unix_sockets,
+                    terminal: o.terminal,
+                    file_locks: o.file_locks,
+                    empty_namespaces: o.empty_namespaces,
+                    cgroups_mode: o.cgroups_mode,
+                    image_path: o.image_path,
+                    work_path: o.work_path,
+                })
+            }
+            other => Err(Error::invalid(format!(
+                "checkpoint options of type {other:?} are not understood by gpucr \
+                 (use containerd.runc.v1.CheckpointOptions)"
+            ))),
+        }
+    }
+}
+
+/// A minimal protobuf field reader for option types that shim-protos does not vendor.
+struct Fields(Vec<(u32, FieldValue)>);
+
+enum FieldValue {
+    Varint(u64),
+    Bytes(Vec<u8>),
+}
+
+impl Fields {
+    fn decode(bytes: &[u8]) -> Result<Fields> {
+        let mut out = Vec::new();
+        let mut is = CodedInputStream::from_bytes(bytes);
+        while !is.eof()? {
+            let tag = is.read_raw_varint32()?;
+            let (field, wire) = (tag >> 3, tag & 7);
+            match wire {
+                0 => out.push((field, FieldValue::Varint(is.read_raw_varint64()?))),
+                2 => out.push((field, FieldValue::Bytes(is.read_bytes()?))),
+                1 => {
+                    is.read_raw_little_endian64()?;
+                }
+                5 => {
+                    is.read_raw_little_endian32()?;
+                }
+                w => {
+                    return Err(Error::Decode {
+                        what: "runtime options",
+                        msg: format!("unsupported wire type {w} for field {field}"),
+                    })
+                }
+            }
+        }
+        Ok(Fields(out))
+    }
+
+    fn varint(&self, n: u32) -> u64 {
+        self.0
+            .iter()
+            .rev()
+            .find_map(|(f, v)| match v {
+                FieldValue::Varint(x) if *f == n => Some(*x),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
+    fn bool(&self, n: u32) -> bool {
+        self.varint(n) != 0
+    }
+
+    fn string(&self, n: u32) -> String {
+        self.0
+            .iter()
+            .rev()
+            .find_map(|(f, v)| match v {
+                FieldValue::Bytes(b) if *f == n => Some(String::from_utf8_lossy(b).into_owned()),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use containerd_shim_protos::protobuf::CodedOutputStream;
+
+    fn any(type_url: &str, value: Vec<u8>) -> Any {
+        Any {
+            type_url: type_url.into(),
+            value,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn runc_options() {
+        let o = oci::Options {
+            binary_name: "crun".into(),
+            systemd_cgroup: true,
+            criu_work_path: "/w".into(),
+            ..Default::default()
+        };
+        let r = RuntimeOptions::decode(Some(&any(
+            "containerd.runc.v1.Options",
+            o.write_to_bytes().unwrap(),
+        )))
+        .unwrap();
+        assert_eq!(r.binary(), "crun");
+        assert!(r.systemd_cgroup);
+        assert_eq!(r.criu_work_path, "/w");
+        assert_eq!(RuntimeOptions::decode(None).unwrap().binary(), "runc");
+    }
+
+    #[test]
+    fn legacy_linux_create_options() {
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bool(1, true).unwrap();
+            os.write_string(9, "/shim-cg").unwrap();
+            os.write_uint32(10, 1000).unwrap();
+            os.write_string(13, "/img").unwrap();
+            os.flush().unwrap();
+        }
+        let r = RuntimeOptions::decode(Some(&any(
+            "type.googleapis.com/containerd.linux.runc.CreateOptions",
+            buf,
+        )))
+        .unwrap();
+        assert!(r.no_pivot_root);
+        assert_eq!(r.shim_cgroup, "/shim-cg");
+        assert_eq!(r.io_uid, 1000);
+        assert_eq!(r.criu_image_path, "/img");
+    }
+
+    #[test]
+    fn cri_runtimeoptions_toml() {
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_string(1, "").unwrap();
+            os.write_string(3, "BinaryName = \"/usr/bin/crun\"\nSystemdCgroup = true\n")
+                .unwrap();
+            os.flush().unwrap();
+        }
+        let r = RuntimeOptions::decode(Some(&any("runtimeoptions.v1.Options", buf))).unwrap();
+        assert_eq!(r.binary(), "/usr/bin/crun");
+        assert!(r.systemd_cgroup);
+    }
+
+    #[test]
+    fn checkpoint_options_any_type() {
+        let o = oci::CheckpointOptions {
+            exit: true,
+            image_path: "/i".into(),
+            work_path: "/w".into(),
+            ..Default::default()
+        };
+        for t in [
+            "containerd.runc.v1.CheckpointOptions",
+            "containerd.linux.runc.CheckpointOptions",
+        ] {
+            let c =
+                CheckpointRequest::decode(Some(&any(t, o.write_to_bytes().unwrap()))).unwrap();
+            assert!(c.exit);
+            assert_eq!(c.image_path, "/i");
+            assert_eq!(c.work_path, "/w");
+        }
+        assert_eq!(
+            CheckpointRequest::decode(None).unwrap(),
+            CheckpointRequest::default()
+        );
+        let e = CheckpointRequest::decode(Some(&any("x.Unknown", vec![]))).unwrap_err();
+        assert!(e.to_string().contains("not understood"));
+    }
+}

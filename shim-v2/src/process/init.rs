@@ -1,0 +1,39 @@
+//! The container's init process: what its state machine guards.
+
+use std::path::PathBuf;
+
+use crate::{io::ProcessIo, process::state::InitState, runc::RestoreOpts};
+
+/// Guarded by `Container::init` (a tokio mutex held across one transition, so two verbs on
+/// the same task never interleave; exits take it too, after the verb).
+pub struct InitProcess {
+    pub state: InitState,
+    pub pid: u32,
+    pub io: ProcessIo,
+    /// Armed by Create with a checkpoint; consumed by Start.
+    pub restore: Option<RestoreOpts>,
+    /// The checkpoint image a restore came from, for the TaskCreate event and logs.
+    pub checkpoint: Option<PathBuf>,
+}
+
+impl InitProcess {
+    pub fn created(pid: u32, io: ProcessIo) -> Self {
+        InitProcess {
+            state: InitState::Created,
+            pid,
+            io,
+            restore: None,
+            checkpoint: None,
+        }
+    }
+
+    pub fn armed_restore(restore: RestoreOpts) -> Self {
+        InitProcess {
+            state: InitState::CreatedCheckpoint,
+            pid: 0,
+            io: ProcessIo::default(),
+            checkpoint: Some(restore.checkpoint.image_path.clone()),
+            restore: Some(restore),
+        }
+    }
+}

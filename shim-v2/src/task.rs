@@ -1,0 +1,670 @@
+//! The Task service: every RPC of containerd's task API v2, mapped onto `Container` verbs.
+//! Errors become ttrpc codes at this one boundary (see error.rs).
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    sync::{Arc, Mutex, RwLock},
+    time::{Duration, SystemTime},
+};
+
+use async_trait::async_trait;
+use containerd_shim::{ExitSignal, TtrpcContext, TtrpcResult};
+use containerd_shim_protos::{
+    api::{self, *},
+    events::task::*,
+    protobuf::{well_known_types::any::Any, Message, MessageField},
+    shim::oci::ProcessDetails,
+    shim_async::Task,
+    types::task::ProcessInfo,
+};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::{
+    container::{Container, CreateConfig},
+    error::{Error, Result},
+    events::{publish, timestamp, EventSender},
+    io::StdioSpec,
+    options::{CheckpointRequest, RuntimeOptions},
+    reaper::{Exit, Spawner},
+    stats,
+};
+
+/// Which process a pid belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Owner {
+    Init(String),
+    Exec(String, String),
+}
+
+/// Routes reaped pids to processes. Exits that arrive before their pid is known (the process
+/// died while runc was still running) wait in `early` for the registration.
+#[derive(Default)]
+struct PidTable {
+    owners: HashMap<i32, Owner>,
+    early: HashMap<i32, Exit>,
+}
+
+const EARLY_EXIT_KEEP: Duration = Duration::from_secs(60);
+
+impl PidTable {
+    fn register(&mut self, pid: u32, owner: Owner) -> Option<Exit> {
+        let pid = pid as i32;
+        if let Some(exit) = self.early.remove(&pid) {
+            return Some(exit);
+        }
+        self.owners.insert(pid, owner);
+        None
+    }
+
+    fn route(&mut self, exit: Exit) -> Option<Owner> {
+        if let Some(owner) = self.owners.remove(&exit.pid) {
+            return Some(owner);
+        }
+        // Orphans reparented to the shim land here too: keep them only briefly.
+        let now = SystemTime::now();
+        self.early.retain(|_, e| {
+            now.duration_since(e.at)
+                .map(|d| d < EARLY_EXIT_KEEP)
+                .unwrap_or(true)
+        });
+        self.early.insert(exit.pid, exit);
+        None
+    }
+
+    fn forget(&mut self, owner: &Owner) {
+        self.owners.retain(|_, o| o != owner);
+    }
+}
+
+pub struct Inner {
+    namespace: String,
+    /// Containers by id. Never held across an await: clone the Arc out.
+    containers: RwLock<HashMap<String, Arc<Container>>>,
+    pids: Mutex<PidTable>,
+    events: Arc<dyn EventSender>,
+    spawner: Spawner,
+    exit: Arc<ExitSignal>,
+}
+
+#[derive(Clone)]
+pub struct TaskService {
+    inner: Arc<Inner>,
+}
+
+impl TaskService {
+    pub fn new(
+        namespace: String,
+        events: Arc<dyn EventSender>,
+        spawner: Spawner,
+        exit: Arc<ExitSignal>,
+        exits: UnboundedReceiver<Exit>,
+    ) -> Self {
+        let inner = Arc::new(Inner {
+            namespace,
+            containers: RwLock::new(HashMap::new()),
+            pids: Mutex::new(PidTable::default()),
+            events,
+            spawner,
+            exit,
+        });
+        tokio::spawn(process_exits(inner.clone(), exits));
+        TaskService { inner }
+    }
+}
+
+/// The one consumer of container-process exits.
+async fn process_exits(inner: Arc<Inner>, mut exits: UnboundedReceiver<Exit>) {
+    while let Some(exit) = exits.recv().await {
+        let owner = inner.pids.lock().expect("pids lock").route(exit);
+        if let Some(owner) = owner {
+            tokio::spawn(handle_exit(inner.clone(), owner, exit));
+        }
+    }
+}
+
+async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
+    let (cid, exec_id) = match &owner {
+        Owner::Init(c) => (c.clone(), None),
+        Owner::Exec(c, e) => (c.clone(), Some(e.clone())),
+    };
+    let Ok(c) = inner.container(&cid) else {
+        return;
+    };
+    let info = match &exec_id {
+        None => c.init_exited(exit.status, exit.at).await,
+        Some(e) => match c.exec(e) {
+            Ok(p) => c.exec_exited(&p, exit.status, exit.at).await,
+            Err(_) => None,
+        },
+    };
+    let Some(info) = info else { return };
+    tracing::info!(id = %cid, exec_id = exec_id.as_deref().unwrap_or(""), pid = exit.pid,
+        status = info.status, "process exited");
+    publish(
+        inner.events.as_ref(),
+        TaskExit {
+            container_id: cid.clone(),
+            id: exec_id.unwrap_or(cid),
+            pid: exit.pid as u32,
+            exit_status: info.status,
+            exited_at: MessageField::some(timestamp(info.at)),
+            ..Default::default()
+        },
+    )
+    .await;
+}
+
+impl Inner {
+    fn container(&self, id: &str) -> Result<Arc<Container>> {
+        self.containers
+            .read()
+            .expect("containers lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::ContainerNotFound(id.to_string()))
+    }
+
+    /// Registers a new pid; an exit that beat the registration is handled now.
+    fn register(self: &Arc<Self>, pid: u32, owner: Owner) {
+        if pid == 0 {
+            return;
+        }
+        let early = self
+            .pids
+            .lock()
+            .expect("pids lock")
+            .register(pid, owner.clone());
+        if let Some(exit) = early {
+            tokio::spawn(handle_exit(self.clone(), owner, exit));
+        }
+    }
+
+    async fn send<E: containerd_shim::event::Event + 'static>(&self, e: E) {
+        publish(self.events.as_ref(), e).await
+    }
+}
+
+impl TaskService {
+    pub async fn task_create(&self, req: CreateTaskRequest) -> Result<CreateTaskResponse> {
+        let inner = &self.inner;
+        if inner.container(&req.id).is_ok() {
+            return Err(Error::AlreadyExists(req.id));
+        }
+        let opts = RuntimeOptions::decode(req.options.as_ref())?;
+        let bundle = PathBuf::from(&req.bundle);
+        crate::service::write_bundle_options(&bundle, &opts)?;
+        let non_empty = |s: &str| Some(PathBuf::from(s)).filter(|p| !p.as_os_str().is_empty());
+        let checkpoint = non_empty(&req.checkpoint).or_else(|| non_empty(&opts.criu_image_path));
+        let cfg = CreateConfig {
+            id: req.id.clone(),
+            bundle: bundle.clone(),
+            namespace: inner.namespace.clone(),
+            rootfs: req.rootfs.clone(),
+            stdio: StdioSpec {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            },
+            checkpoint: if req.checkpoint.is_empty() {
+                None
+            } else {
+                checkpoint
+            },
+            parent_checkpoint: non_empty(&req.parent_checkpoint),
+            opts,
+        };
+        let c = Arc::new(Container::create(cfg, inner.spawner.clone()).await?);
+        let pid = c.pid();
+        inner
+            .containers
+            .write()
+            .expect("containers lock")
+            .insert(req.id.clone(), c);
+        inner.register(pid, Owner::Init(req.id.clone()));
+        tracing::info!(id = %req.id, pid, restore = !req.checkpoint.is_empty(), "created");
+        inner
+            .send(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                checkpoint: req.checkpoint.clone(),
+                pid,
+                ..Default::default()
+            })
+            .await;
+        Ok(CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_start(&self, req: StartRequest) -> Result<StartResponse> {
+        let inner = &self.inner;
+        let c = inner.container(&req.id)?;
+        let pid = if req.exec_id.is_empty() {
+            let pid = c
+                .start(|pid| inner.register(pid, Owner::Init(req.id.clone())))
+                .await?;
+            tracing::info!(id = %req.id, pid, "started");
+            inner
+                .send(TaskStart {
+                    container_id: req.id.clone(),
+                    pid,
+                    ..Default::default()
+                })
+                .await;
+            pid
+        } else {
+            let p = c.exec(&req.exec_id)?;
+            let owner = Owner::Exec(req.id.clone(), req.exec_id.clone());
+            let pid = c
+                .start_exec(&p, |pid| inner.register(pid, owner))
+                .await?;
+            inner
+                .send(TaskExecStarted {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    pid,
+                    ..Default::default()
+                })
+                .await;
+            pid
+        };
+        Ok(StartResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_delete(&self, req: DeleteRequest) -> Result<DeleteResponse> {
+        let inner = &self.inner;
+        let c = inner.container(&req.id)?;
+        if !req.exec_id.is_empty() {
+            let p = c.exec(&req.exec_id)?;
+            let pid = p.inner.lock().await.pid;
+            let exit = c.delete_exec(&p).await?;
+            inner
+                .pids
+                .lock()
+                .expect("pids lock")
+                .forget(&Owner::Exec(req.id.clone(), req.exec_id.clone()));
+            return Ok(DeleteResponse {
+                pid,
+                exit_status: exit.status,
+                exited_at: MessageField::some(timestamp(exit.at)),
+                ..Default::default()
+            });
+        }
+        let pid = c.pid();
+        let exit = c.delete().await?;
+        inner
+            .containers
+            .write()
+            .expect("containers lock")
+            .remove(&req.id);
+        inner
+            .pids
+            .lock()
+            .expect("pids lock")
+            .forget(&Owner::Init(req.id.clone()));
+        tracing::info!(id = %req.id, "deleted");
+        inner
+            .send(TaskDelete {
+                container_id: req.id.clone(),
+                pid,
+                exit_status: exit.status,
+                exited_at: MessageField::some(timestamp(exit.at)),
+                id: req.id.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(DeleteResponse {
+            pid,
+            exit_status: exit.status,
+            exited_at: MessageField::some(timestamp(exit.at)),
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_state(&self, req: StateRequest) -> Result<StateResponse> {
+        let c = self.inner.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            let state = c.state().await;
+            let exit = c.init_exit.get();
+            return Ok(StateResponse {
+                id: req.id.clone(),
+                bundle: c.bundle.to_string_lossy().into_owned(),
+                pid: c.pid(),
+                status: state.status().into(),
+                stdin: c.stdio.stdin.clone(),
+                stdout: c.stdio.stdout.clone(),
+                stderr: c.stdio.stderr.clone(),
+                terminal: c.stdio.terminal,
+                exit_status: exit.map(|e| e.status).unwrap_or(0),
+                exited_at: MessageField::from_option(exit.map(|e| timestamp(e.at))),
+                ..Default::default()
+            });
+        }
+        let p = c.exec(&req.exec_id)?;
+        let inner = p.inner.lock().await;
+        let exit = p.exit.get();
+        Ok(StateResponse {
+            id: req.exec_id.clone(),
+            bundle: c.bundle.to_string_lossy().into_owned(),
+            pid: inner.pid,
+            status: inner.state.status().into(),
+            stdin: p.stdio.stdin.clone(),
+            stdout: p.stdio.stdout.clone(),
+            stderr: p.stdio.stderr.clone(),
+            terminal: p.stdio.terminal,
+            exit_status: exit.map(|e| e.status).unwrap_or(0),
+            exited_at: MessageField::from_option(exit.map(|e| timestamp(e.at))),
+            exec_id: req.exec_id.clone(),
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_kill(&self, req: KillRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            c.kill(req.signal, req.all).await
+        } else {
+            let p = c.exec(&req.exec_id)?;
+            c.kill_exec(&p, req.signal).await
+        }
+    }
+
+    pub async fn task_exec(&self, req: ExecProcessRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        let spec = req.spec.clone().into_option().unwrap_or_default();
+        c.add_exec(
+            &req.exec_id,
+            spec,
+            StdioSpec {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            },
+        )
+        .await?;
+        self.inner
+            .send(TaskExecAdded {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    pub async fn task_resize_pty(&self, req: ResizePtyRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        if req.exec_id.is_empty() {
+            c.init.lock().await.io.resize(req.width, req.height)
+        } else {
+            let p = c.exec(&req.exec_id)?;
+            let inner = p.inner.lock().await;
+            inner.io.resize(req.width, req.height)
+        }
+    }
+
+    pub async fn task_close_io(&self, req: CloseIORequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        if !req.stdin {
+            return Ok(());
+        }
+        if req.exec_id.is_empty() {
+            c.init.lock().await.io.close_stdin();
+        } else {
+            let p = c.exec(&req.exec_id)?;
+            p.inner.lock().await.io.close_stdin();
+        }
+        Ok(())
+    }
+
+    pub async fn task_pause(&self, req: PauseRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        c.pause().await?;
+        self.inner
+            .send(TaskPaused {
+                container_id: req.id.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    pub async fn task_resume(&self, req: ResumeRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        c.resume().await?;
+        self.inner
+            .send(TaskResumed {
+                container_id: req.id.clone(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    pub async fn task_update(&self, req: UpdateTaskRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        let resources = req
+            .resources
+            .as_ref()
+            .ok_or_else(|| Error::invalid("update without resources"))?;
+        c.update(resources).await
+    }
+
+    pub async fn task_wait(&self, req: WaitRequest) -> Result<WaitResponse> {
+        let c = self.inner.container(&req.id)?;
+        let info = if req.exec_id.is_empty() {
+            c.init_exit.wait().await
+        } else {
+            let p = c.exec(&req.exec_id)?;
+            drop(c);
+            p.exit.wait().await
+        };
+        Ok(WaitResponse {
+            exit_status: info.status,
+            exited_at: MessageField::some(timestamp(info.at)),
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_pids(&self, req: PidsRequest) -> Result<PidsResponse> {
+        let c = self.inner.container(&req.id)?;
+        let pids = c.runc.ps(&req.id).await?;
+        let mut exec_pids = HashMap::new();
+        let execs: Vec<_> = c.execs.lock().expect("execs lock").values().cloned().collect();
+        for p in execs {
+            let pid = p.inner.lock().await.pid;
+            if pid != 0 {
+                exec_pids.insert(pid, p.exec_id.clone());
+            }
+        }
+        let processes = pids
+            .into_iter()
+            .map(|pid| {
+                let info = exec_pids.get(&(pid as u32)).map(|exec_id| Any {
+                    type_url: "containerd.runc.v1.ProcessDetails".into(),
+                    value: ProcessDetails {
+                        exec_id: exec_id.clone(),
+                        ..Default::default()
+                    }
+                    .write_to_bytes()
+                    .unwrap_or_default(),
+                    ..Default::default()
+                });
+                ProcessInfo {
+                    pid: pid as u32,
+                    info: MessageField::from_option(info),
+                    ..Default::default()
+                }
+            })
+            .collect();
+        Ok(PidsResponse {
+            processes,
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_stats(&self, req: StatsRequest) -> Result<StatsResponse> {
+        let c = self.inner.container(&req.id)?;
+        let sample = c.runc.stats(&req.id).await?;
+        Ok(StatsResponse {
+            stats: MessageField::some(stats::to_metrics_any(&sample, stats::cgroup_v2())?),
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_checkpoint(&self, req: CheckpointTaskRequest) -> Result<()> {
+        let c = self.inner.container(&req.id)?;
+        let opts = CheckpointRequest::decode(req.options.as_ref())?;
+        let image = if !opts.image_path.is_empty() {
+            PathBuf::from(&opts.image_path)
+        } else if !req.path.is_empty() {
+            PathBuf::from(&req.path)
+        } else {
+            return Err(Error::invalid(
+                "checkpoint needs a path (CheckpointTaskRequest.path or options.image_path)",
+            ));
+        };
+        c.checkpoint(&image, &opts).await?;
+        self.inner
+            .send(TaskCheckpointed {
+                container_id: req.id.clone(),
+                checkpoint: image.to_string_lossy().into_owned(),
+                ..Default::default()
+            })
+            .await;
+        Ok(())
+    }
+
+    pub async fn task_connect(&self, req: ConnectRequest) -> Result<ConnectResponse> {
+        let task_pid = self.inner.container(&req.id).map(|c| c.pid()).unwrap_or(0);
+        Ok(ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid,
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..Default::default()
+        })
+    }
+
+    pub async fn task_shutdown(&self, _req: ShutdownRequest) -> Result<()> {
+        if !self
+            .inner
+            .containers
+            .read()
+            .expect("containers lock")
+            .is_empty()
+        {
+            return Ok(());
+        }
+        tracing::info!("no containers left: shim exits");
+        self.inner.exit.signal();
+        Ok(())
+    }
+}
+
+fn rpc<T>(r: Result<T>) -> TtrpcResult<T> {
+    r.map_err(|e| {
+        tracing::debug!("rpc error: {e}");
+        e.into()
+    })
+}
+
+#[async_trait]
+impl Task for TaskService {
+    async fn state(&self, _: &TtrpcContext, r: StateRequest) -> TtrpcResult<StateResponse> {
+        rpc(self.task_state(r).await)
+    }
+    async fn create(
+        &self,
+        _: &TtrpcContext,
+        r: CreateTaskRequest,
+    ) -> TtrpcResult<CreateTaskResponse> {
+        rpc(self.task_create(r).await)
+    }
+    async fn start(&self, _: &TtrpcContext, r: StartRequest) -> TtrpcResult<StartResponse> {
+        rpc(self.task_start(r).await)
+    }
+    async fn delete(&self, _: &TtrpcContext, r: DeleteRequest) -> TtrpcResult<DeleteResponse> {
+        rpc(self.task_delete(r).await)
+    }
+    async fn pids(&self, _: &TtrpcContext, r: PidsRequest) -> TtrpcResult<PidsResponse> {
+        rpc(self.task_pids(r).await)
+    }
+    async fn pause(&self, _: &TtrpcContext, r: PauseRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_pause(r).await).map(|_| api::Empty::new())
+    }
+    async fn resume(&self, _: &TtrpcContext, r: ResumeRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_resume(r).await).map(|_| api::Empty::new())
+    }
+    async fn checkpoint(
+        &self,
+        _: &TtrpcContext,
+        r: CheckpointTaskRequest,
+    ) -> TtrpcResult<api::Empty> {
+        rpc(self.task_checkpoint(r).await).map(|_| api::Empty::new())
+    }
+    async fn kill(&self, _: &TtrpcContext, r: KillRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_kill(r).await).map(|_| api::Empty::new())
+    }
+    async fn exec(&self, _: &TtrpcContext, r: ExecProcessRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_exec(r).await).map(|_| api::Empty::new())
+    }
+    async fn resize_pty(&self, _: &TtrpcContext, r: ResizePtyRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_resize_pty(r).await).map(|_| api::Empty::new())
+    }
+    async fn close_io(&self, _: &TtrpcContext, r: CloseIORequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_close_io(r).await).map(|_| api::Empty::new())
+    }
+    async fn update(&self, _: &TtrpcContext, r: UpdateTaskRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_update(r).await).map(|_| api::Empty::new())
+    }
+    async fn wait(&self, _: &TtrpcContext, r: WaitRequest) -> TtrpcResult<WaitResponse> {
+        rpc(self.task_wait(r).await)
+    }
+    async fn stats(&self, _: &TtrpcContext, r: StatsRequest) -> TtrpcResult<StatsResponse> {
+        rpc(self.task_stats(r).await)
+    }
+    async fn connect(&self, _: &TtrpcContext, r: ConnectRequest) -> TtrpcResult<ConnectResponse> {
+        rpc(self.task_connect(r).await)
+    }
+    async fn shutdown(&self, _: &TtrpcContext, r: ShutdownRequest) -> TtrpcResult<api::Empty> {
+        rpc(self.task_shutdown(r).await).map(|_| api::Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exit_before_registration_is_not_lost() {
+        let mut t = PidTable::default();
+        let exit = Exit {
+            pid: 42,
+            status: 1,
+            at: SystemTime::now(),
+        };
+        assert_eq!(t.route(exit), None);
+        let got = t.register(42, Owner::Init("c".into())).unwrap();
+        assert_eq!(got.status, 1);
+        // Registered normally: the exit is routed once, then forgotten.
+        assert!(t.register(43, Owner::Exec("c".into(), "e".into())).is_none());
+        let e2 = Exit { pid: 43, ..exit };
+        assert_eq!(t.route(e2), Some(Owner::Exec("c".into(), "e".into())));
+        assert_eq!(t.route(e2), None);
+    }
+}
