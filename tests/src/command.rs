@@ -52,8 +52,18 @@ pub struct Cmd {
     program: OsString,
     args: Vec<OsString>,
     envs: Vec<(OsString, OsString)>,
-    stdin: Option<Vec<u8>>,
+    stdin: Stdin,
     timeout: Duration,
+}
+
+/// What the command's stdin is.
+#[derive(Debug, Clone)]
+enum Stdin {
+    Null,
+    /// These bytes, then EOF.
+    Bytes(Vec<u8>),
+    /// A pipe nobody writes to, closed when the command ends (for programs that stop at EOF).
+    KeepOpen,
 }
 
 impl Cmd {
@@ -65,7 +75,7 @@ impl Cmd {
             program: program.into(),
             args: Vec::new(),
             envs: Vec::new(),
-            stdin: None,
+            stdin: Stdin::Null,
             timeout: Self::DEFAULT_TIMEOUT,
         }
     }
@@ -91,7 +101,13 @@ impl Cmd {
 
     /// Bytes written to the command's stdin, which is then closed. Without it stdin is /dev/null.
     pub fn stdin(mut self, bytes: impl Into<Vec<u8>>) -> Self {
-        self.stdin = Some(bytes.into());
+        self.stdin = Stdin::Bytes(bytes.into());
+        self
+    }
+
+    /// Gives the command a stdin pipe that stays open, without data, until it exits.
+    pub fn stdin_open(mut self) -> Self {
+        self.stdin = Stdin::KeepOpen;
         self
     }
 
@@ -109,16 +125,24 @@ impl Cmd {
             .join(" ")
     }
 
+    /// The command line quoted for a POSIX shell (e.g. for `script -c`).
+    pub fn shell_line(&self) -> String {
+        std::iter::once(&self.program)
+            .chain(&self.args)
+            .map(|s| format!("'{}'", s.to_string_lossy().replace('\'', r"'\''")))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// Runs the command to its end or to the timeout (then kills it and returns an error).
     pub fn output(&self) -> Result<Output> {
         let command = self.display();
         let mut child = Command::new(&self.program)
             .args(&self.args)
             .envs(self.envs.iter().map(|(k, v)| (k, v)))
-            .stdin(if self.stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
+            .stdin(match self.stdin {
+                Stdin::Null => Stdio::null(),
+                Stdin::Bytes(_) | Stdin::KeepOpen => Stdio::piped(),
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -127,11 +151,17 @@ impl Cmd {
                 command: command.clone(),
                 source,
             })?;
-        if let (Some(bytes), Some(mut pipe)) = (self.stdin.clone(), child.stdin.take()) {
-            // A writer thread, so a command that does not read cannot block us.
-            thread::spawn(move || {
-                let _ = pipe.write_all(&bytes);
-            });
+        let mut open_stdin = None;
+        match (&self.stdin, child.stdin.take()) {
+            (Stdin::Bytes(bytes), Some(mut pipe)) => {
+                let bytes = bytes.clone();
+                // A writer thread, so a command that does not read cannot block us.
+                thread::spawn(move || {
+                    let _ = pipe.write_all(&bytes);
+                });
+            }
+            (Stdin::KeepOpen, pipe) => open_stdin = pipe,
+            _ => {}
         }
         let stdout = drain(child.stdout.take());
         let stderr = drain(child.stderr.take());
@@ -146,6 +176,7 @@ impl Cmd {
                 }
             }
         };
+        drop(open_stdin);
         let Some(status) = status else {
             let _ = child.kill();
             let _ = child.wait();
