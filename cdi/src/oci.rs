@@ -281,10 +281,12 @@ fn fill_device_info(node: &DeviceNode) -> Result<DeviceNode> {
     };
     match node.kind.as_deref() {
         None => node.kind = Some(host_kind.to_string()),
-        Some(k) if k != host_kind => return Err(Error::InvalidOciSpec(format!(
+        Some(k) if k != host_kind => {
+            return Err(Error::InvalidOciSpec(format!(
             "CDI device node {}: declared type {k} but host path {host_path} is type {host_kind}",
             node.path
-        ))),
+        )))
+        }
         Some(_) => {}
     }
     if node.major.is_none() && host_kind != "p" {
