@@ -61,7 +61,7 @@ fn full_cycle_in_order_and_record() {
     assert!(calls.iter().all(|c| c.ends_with("-> 0")), "{calls:#?}");
     // Each step finishes on every process before the next starts.
     for pid in [1001, 1002, 1003] {
-        assert!(pos(&calls, &format!("unlock")) > pos(&calls, &format!("restore {pid}")));
+        assert!(pos(&calls, "unlock") > pos(&calls, &format!("restore {pid}")));
         assert!(pos(&calls, "restore") > pos(&calls, &format!("checkpoint {pid}")));
         assert!(pos(&calls, "checkpoint") > pos(&calls, &format!("lock {pid}")));
     }

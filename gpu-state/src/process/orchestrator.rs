@@ -216,11 +216,11 @@ where
     call
 }
 
+/// A call and its result; `None` when it missed the deadline.
+type Waited<T> = (Call<T>, Option<Result<T, DriverError>>);
+
 /// Waits for all calls until `deadline`; `None` marks a call that missed it.
-fn wait_all<T>(
-    calls: Vec<Call<T>>,
-    deadline: Instant,
-) -> Vec<(Call<T>, Option<Result<T, DriverError>>)> {
+fn wait_all<T>(calls: Vec<Call<T>>, deadline: Instant) -> Vec<Waited<T>> {
     calls
         .into_iter()
         .map(|c| {

@@ -1,0 +1,30 @@
+//! What the plugin remembers between hooks of one CRIU run.
+
+use std::sync::{Mutex, MutexGuard};
+
+use gpu_state::{CudaDriver, ProcessState};
+
+/// A CUDA process we paused during this dump.
+#[derive(Debug, Clone, Copy)]
+pub struct Tracked {
+    pub pid: i32,
+    pub restore_tid: i32,
+    /// The driver state before CRIU touched it; `exit(DUMP)` returns it there.
+    pub initial: ProcessState,
+    pub checkpointed: bool,
+}
+
+#[derive(Default)]
+pub struct Plugin {
+    /// `None`: no CUDA driver here, or the plugin is off for this stage.
+    pub driver: Option<CudaDriver>,
+    pub inventory_added: bool,
+    pub tracked: Vec<Tracked>,
+}
+
+static PLUGIN: Mutex<Option<Plugin>> = Mutex::new(None);
+
+/// The plugin state; CRIU calls hooks from one thread, the lock only keeps Rust honest.
+pub fn get() -> MutexGuard<'static, Option<Plugin>> {
+    PLUGIN.lock().unwrap_or_else(|e| e.into_inner())
+}
