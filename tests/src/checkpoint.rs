@@ -132,7 +132,8 @@ impl Containerd {
         self.restore_checkpoint_image(id, &checkpoint_image)
     }
 
-    /// Imports `checkpoint` under a fresh name and runs `ctr container restore --live`.
+    /// Imports `checkpoint` under a fresh name, runs `ctr container restore --live` and removes
+    /// the imported image again.
     pub fn restore_checkpoint_image(&self, id: &str, checkpoint: &CheckpointImage) -> Result<()> {
         static SEQUENCE: AtomicU32 = AtomicU32::new(0);
         let reference = format!(
@@ -140,7 +141,12 @@ impl Containerd {
             SEQUENCE.fetch_add(1, Ordering::Relaxed)
         );
         self.import_layout(&checkpoint.layout_tar(&reference)?, &["--no-unpack"])?;
-        self.container_restore(id, &reference, checkpoint.rw_layer.is_some())?;
+        let restored = self.container_restore(id, &reference, checkpoint.rw_layer.is_some());
+        // The repacked image holds the same blobs a later checkpoint of this container
+        // writes; containerd 1.7 refuses to store those twice ("already exists").
+        let removed = self.remove_image(&reference);
+        restored?;
+        removed?;
         Ok(())
     }
 
