@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     container::Container,
     error::{Error, IoContext, Result},
+    gpu,
     options::CheckpointRequest,
     process::state::{InitState, Verb},
     runc::CheckpointOpts,
@@ -177,17 +178,23 @@ impl Container {
             empty_ns: req.empty_namespaces.clone(),
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
+        let quiesced = self.quiesce_gpu(init.state).await?;
         let started = Instant::now();
         tracing::info!(id = %self.id, image = %image.display(), exit = req.exit, "checkpoint");
         if let Err(e) = self.runc.checkpoint(&self.id, &opts).await {
             let log = work.join("dump.log");
             let kept = self.bundle.join("criu-dump.log");
             let _ = std::fs::copy(&log, &kept);
-            self.ensure_running(init.state).await;
-            let msg = match criu_first_error(&log) {
+            let mut msg = match criu_first_error(&log) {
                 Some(line) => format!("{e}; CRIU: {line}"),
                 None => e.to_string(),
             };
+            if let Some(q) = quiesced {
+                if let Err(g) = q.resume().await {
+                    msg = format!("{msg}; and then {g}");
+                }
+            }
+            self.ensure_running(init.state).await;
             tracing::error!(id = %self.id, "checkpoint failed: {msg}");
             return Err(Error::Checkpoint {
                 id: self.id.clone(),
@@ -196,6 +203,19 @@ impl Container {
             });
         }
         let dump_ms = started.elapsed().as_millis() as u64;
+        let quiesced = match quiesced {
+            Some(q) => {
+                let (q, recorded) = q.record(image.to_path_buf()).await;
+                if let Err(e) = recorded {
+                    if !req.exit {
+                        let _ = q.resume().await;
+                    }
+                    return Err(e);
+                }
+                Some(q)
+            }
+            None => None,
+        };
         let manifest = Manifest {
             version: MANIFEST_VERSION,
             container_id: self.id.clone(),
@@ -208,7 +228,46 @@ impl Container {
         let text = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
         std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))?;
         tracing::info!(id = %self.id, dump_ms, "checkpointed");
+        if let Some(q) = quiesced {
+            if !req.exit {
+                q.resume().await?;
+            }
+        }
         Ok(())
+    }
+
+    /// Locks and checkpoints the container's CUDA processes when the shim is the quiescer.
+    /// A paused task is thawed for it: the driver's lock runs a thread inside the process.
+    /// Records `gpucr-gpu.json` only after the dump (see `record_gpu`).
+    async fn quiesce_gpu(&self, state: InitState) -> Result<Option<gpu::Quiesced>> {
+        if self.gpu.quiescer != gpu::Quiescer::Shim {
+            return Ok(None);
+        }
+        let candidates = gpu::nvidia_pids(&self.runc.ps(&self.id).await?);
+        if candidates.is_empty() {
+            return Ok(None);
+        }
+        let paused = state == InitState::Paused;
+        if paused {
+            self.runc.resume(&self.id).await?;
+        }
+        let started = Instant::now();
+        let res = gpu::quiesce(candidates, self.gpu.lock_timeout).await;
+        if paused {
+            if let Err(e) = self.runc.pause(&self.id).await {
+                tracing::error!(id = %self.id, "re-pausing after GPU quiesce: {e}");
+            }
+        }
+        let q = res.map_err(|e| Error::Checkpoint {
+            id: self.id.clone(),
+            msg: e.to_string(),
+            log: self.bundle.join("criu-dump.log"),
+        })?;
+        if let Some(q) = &q {
+            tracing::info!(id = %self.id, pids = ?q.pids(),
+                elapsed_ms = started.elapsed().as_millis() as u64, "GPU locked and checkpointed");
+        }
+        Ok(q)
     }
 
     /// After a failed dump: the task must be running again unless the client paused it.

@@ -16,6 +16,7 @@ use tokio::sync::Mutex;
 
 use crate::{
     error::{Error, IoContext, Result},
+    gpu::{self, GpuConfig},
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
     process::{
@@ -39,6 +40,8 @@ pub struct Container {
     pub opts: RuntimeOptions,
     pub stdio: StdioSpec,
     pub rootfs: Vec<Mount>,
+    /// How GPU processes of this container are quiesced (from its annotations).
+    pub gpu: GpuConfig,
     /// The init process; held across one verb (see InitProcess).
     pub init: Mutex<InitProcess>,
     pub init_exit: ExitCell,
@@ -66,6 +69,22 @@ fn read_pid(path: &Path) -> Result<u32> {
         op: "read pid file",
         msg: format!("{} holds {:?}, not a pid", path.display(), s.trim()),
     })
+}
+
+/// The annotations of the bundle's OCI spec (empty when it cannot be read).
+pub fn spec_annotations(bundle: &Path) -> HashMap<String, String> {
+    std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| {
+            let a = v.get("annotations")?.as_object()?.clone();
+            Some(
+                a.into_iter()
+                    .filter_map(|(k, v)| Some((k, v.as_str()?.to_string())))
+                    .collect(),
+            )
+        })
+        .unwrap_or_default()
 }
 
 pub fn mount_rootfs(rootfs: &[Mount], bundle: &Path) -> Result<()> {
@@ -107,8 +126,18 @@ impl Container {
             log: cfg.bundle.join("log.json"),
             spawner: spawner.clone(),
         };
+        let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
         if let Some(image) = &cfg.checkpoint {
             crate::checkpoint::validate_image(&cfg.id, image)?;
+            // Refuse what this host's GPUs cannot take before anything is created.
+            let refuse = |e: Error| Error::Restore {
+                id: cfg.id.clone(),
+                image: image.clone(),
+                msg: e.to_string(),
+            };
+            if let Some(record) = gpu::load_record(image).map_err(refuse)? {
+                gpu::check_restore(&record).map_err(refuse)?;
+            }
         }
         mount_rootfs(&cfg.rootfs, &cfg.bundle)?;
         let init = match &cfg.checkpoint {
@@ -174,6 +203,7 @@ impl Container {
             opts: cfg.opts,
             stdio: cfg.stdio,
             rootfs: cfg.rootfs,
+            gpu,
             init: Mutex::new(init),
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
@@ -223,6 +253,21 @@ impl Container {
             self.runc.restore(&self.id, &r, child).await?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
+            if self.gpu.quiescer == gpu::Quiescer::Shim {
+                // The restored CUDA processes wait CHECKPOINTED (their CUDA calls block)
+                // until the driver gives their device memory back.
+                let pids = self.runc.ps(&self.id).await?;
+                let n = gpu::resume_restored(pids).await.inspect_err(|_| {
+                    // Kill the half-restored tree before it is deleted below.
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                })?;
+                if n > 0 {
+                    tracing::info!(id = %self.id, processes = n, "GPU state restored");
+                }
+            }
             Ok::<_, Error>((pid, io))
         }
         .await;

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod container;
 pub mod error;
 pub mod events;
+pub mod gpu;
 pub mod io;
 pub mod logger;
 pub mod options;

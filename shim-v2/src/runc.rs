@@ -176,10 +176,19 @@ impl Runc {
         cmd
     }
 
-    /// Runs a runc subcommand that prints nothing we need.
+    /// Runs a runc subcommand and returns its stdout.
     async fn run(&self, op: &'static str, args: &[String]) -> Result<Vec<u8>> {
+        self.run_env(op, args, &[]).await
+    }
+
+    async fn run_env(
+        &self,
+        op: &'static str,
+        args: &[String],
+        env: &[(&str, &str)],
+    ) -> Result<Vec<u8>> {
         let mut cmd = self.command();
-        cmd.args(args);
+        cmd.args(args).envs(env.iter().copied());
         tracing::debug!(binary = %self.binary, ?args, "runc");
         let out = self
             .spawner
@@ -382,7 +391,12 @@ impl Runc {
         let mut a: Vec<String> = vec!["checkpoint".into()];
         a.extend(o.args());
         a.push(id.into());
-        self.run("runc checkpoint", &a).await.map(drop)
+        // gpucr's CRIU plugin reads this to know whether the dumped tasks live on (runc talks
+        // to CRIU over RPC, where the plugin cannot see --leave-running).
+        let leave = if o.leave_running { "1" } else { "0" };
+        self.run_env("runc checkpoint", &a, &[("GPUCR_CRIU_LEAVE_RUNNING", leave)])
+            .await
+            .map(drop)
     }
 
     pub async fn restore(&self, id: &str, o: &RestoreOpts, stdio: ChildStdio) -> Result<()> {

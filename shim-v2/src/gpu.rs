@@ -1,0 +1,250 @@
+//! GPU quiescing around CRIU, through the CUDA driver's checkpoint API (gpu-state).
+//!
+//! Checkpoint: find the container's CUDA processes, lock them, move device memory to host
+//! memory (driver checkpoint), let runc/CRIU dump, then (leave-running) restore and unlock.
+//! Restore: after `runc restore`, restore and unlock each CUDA process of the new tree.
+//! Every failure brings the processes back to RUNNING (gpu-state rolls back) before the
+//! error is returned, so a failed checkpoint never leaves a GPU locked.
+//!
+//! When a CUDA-capable CRIU plugin (gpucr's or NVIDIA's, both named `cuda_plugin`) is
+//! installed, CRIU quiesces the GPU itself and the shim does not: never twice.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use gpu_state::{
+    check_compatibility, CheckpointApi, CudaDriver, GpuCheckpointRecord, GpuProcessSet, Inventory,
+    StepTimeouts,
+};
+
+use crate::error::{Error, Result};
+
+/// Annotation: `auto` (default), `shim` or `plugin` — who quiesces CUDA processes.
+pub const QUIESCE_ANNOTATION: &str = "io.gpucr.gpu-quiesce";
+/// Annotation: the driver lock timeout in milliseconds (default 10000).
+pub const LOCK_TIMEOUT_ANNOTATION: &str = "io.gpucr.gpu-lock-timeout-ms";
+/// Environment (of the shim): `1` makes every process of a container a GPU candidate.
+pub const ALL_PROCESSES_ENV: &str = "GPUCR_GPU_ALL_PROCESSES";
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Who quiesces the GPU for this container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quiescer {
+    Shim,
+    CriuPlugin,
+}
+
+#[derive(Debug, Clone)]
+pub struct GpuConfig {
+    pub quiescer: Quiescer,
+    pub lock_timeout: Duration,
+}
+
+impl GpuConfig {
+    pub fn from_annotations(annotations: &HashMap<String, String>) -> Result<GpuConfig> {
+        let quiescer = match annotations.get(QUIESCE_ANNOTATION).map(String::as_str) {
+            None | Some("auto") | Some("") => {
+                if criu_cuda_plugin_installed() {
+                    Quiescer::CriuPlugin
+                } else {
+                    Quiescer::Shim
+                }
+            }
+            Some("shim") => Quiescer::Shim,
+            Some("plugin") => Quiescer::CriuPlugin,
+            Some(other) => {
+                return Err(Error::invalid(format!(
+                    "{QUIESCE_ANNOTATION}={other:?}: use auto, shim or plugin"
+                )))
+            }
+        };
+        let lock_timeout = match annotations.get(LOCK_TIMEOUT_ANNOTATION) {
+            None => DEFAULT_LOCK_TIMEOUT,
+            Some(ms) => Duration::from_millis(ms.parse().map_err(|_| {
+                Error::invalid(format!("{LOCK_TIMEOUT_ANNOTATION}={ms:?} is not a number"))
+            })?),
+        };
+        Ok(GpuConfig {
+            quiescer,
+            lock_timeout,
+        })
+    }
+}
+
+/// CRIU's plugin directory: `$CRIU_LIBS_DIR`, else the build default.
+fn criu_plugin_dir() -> PathBuf {
+    std::env::var_os("CRIU_LIBS_DIR")
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/lib/criu"))
+}
+
+/// True when CRIU will load a plugin that handles CUDA processes.
+pub fn criu_cuda_plugin_installed() -> bool {
+    let Ok(dir) = std::fs::read_dir(criu_plugin_dir()) else {
+        return false;
+    };
+    dir.flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "so"))
+        .any(|e| {
+            std::fs::read(e.path())
+                .map(|b| b.windows(11).any(|w| w == b"cuda_plugin"))
+                .unwrap_or(false)
+        })
+}
+
+/// Pids (of `pids`) that have an NVIDIA device mapped: the only ones worth asking the driver
+/// about, so a CPU-only container never loads libcuda into the shim.
+pub fn nvidia_pids(pids: &[i32]) -> Vec<u32> {
+    // Tests on CPU machines point GPUCR_LIBCUDA at a fake driver and ask every process.
+    if std::env::var_os(ALL_PROCESSES_ENV).is_some_and(|v| v == "1") {
+        return pids.iter().map(|p| *p as u32).collect();
+    }
+    pids.iter()
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                .map(|m| m.contains("/dev/nvidia"))
+                .unwrap_or(false)
+        })
+        .map(|p| *p as u32)
+        .collect()
+}
+
+fn driver() -> Result<Arc<dyn CheckpointApi>> {
+    match CudaDriver::probe() {
+        Ok(Some(d)) => Ok(Arc::new(d)),
+        Ok(None) => Err(Error::Gpu(
+            "the container uses NVIDIA devices but libcuda.so.1 cannot be loaded on this host \
+             (install the NVIDIA driver r570+ or set GPUCR_LIBCUDA)"
+                .into(),
+        )),
+        Err(e) => Err(Error::Gpu(e.to_string())),
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Error::Gpu(format!("GPU worker panicked: {e}")))?
+}
+
+/// CUDA processes locked and checkpointed for one container checkpoint.
+pub struct Quiesced {
+    set: GpuProcessSet,
+}
+
+/// Locks and checkpoints the CUDA processes among `candidates`. `Ok(None)`: none are CUDA.
+pub async fn quiesce(candidates: Vec<u32>, lock_timeout: Duration) -> Result<Option<Quiesced>> {
+    blocking(move || {
+        let api = driver()?;
+        let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
+            .map_err(|e| Error::Gpu(e.to_string()))?;
+        if set.is_empty() {
+            return Ok(None);
+        }
+        set.lock_all(lock_timeout)
+            .map_err(|e| Error::Gpu(format!("lock: {e}")))?;
+        set.checkpoint_all()
+            .map_err(|e| Error::Gpu(format!("checkpoint: {e}")))?;
+        Ok(Some(Quiesced { set }))
+    })
+    .await
+}
+
+impl Quiesced {
+    pub fn pids(&self) -> Vec<u32> {
+        self.set.pids()
+    }
+
+    /// Writes `gpucr-gpu.json` (driver, GPUs, per-process timings) into the image. The set
+    /// comes back either way, so the caller can still resume the processes.
+    pub async fn record(self, image: PathBuf) -> (Self, Result<()>) {
+        let joined = tokio::task::spawn_blocking(move || {
+            let record = self.set.record(Some(Inventory::gather()));
+            let res = record
+                .save(&image)
+                .map(drop)
+                .map_err(|e| Error::Gpu(format!("writing GPU record: {e}")));
+            (self, res)
+        })
+        .await;
+        match joined {
+            Ok(v) => v,
+            Err(e) => panic!("GPU record worker panicked: {e}"),
+        }
+    }
+
+    /// Restores device memory and unlocks: the processes run again.
+    pub async fn resume(mut self) -> Result<()> {
+        blocking(move || {
+            self.set
+                .resume_all(&[])
+                .map_err(|e| Error::Gpu(format!("resume after checkpoint: {e}")))
+        })
+        .await
+    }
+}
+
+/// The GPU record of a checkpoint image, if it has one.
+pub fn load_record(image: &Path) -> Result<Option<GpuCheckpointRecord>> {
+    if !GpuCheckpointRecord::file_path(image).exists() {
+        return Ok(None);
+    }
+    GpuCheckpointRecord::load(image)
+        .map(Some)
+        .map_err(|e| Error::Gpu(format!("the image's GPU record is damaged: {e}")))
+}
+
+/// Refuses a restore this host cannot take (driver branch, GPU model, free memory).
+pub fn check_restore(record: &GpuCheckpointRecord) -> Result<()> {
+    let Some(recorded) = &record.inventory else {
+        return Ok(());
+    };
+    let current = Inventory::gather();
+    let need = Some(record.device_memory_estimate_bytes()).filter(|b| *b > 0);
+    check_compatibility(recorded, &current, need).map_err(|e| Error::Gpu(e.to_string()))
+}
+
+/// After `runc restore`: restore and unlock every CUDA process among `pids`.
+pub async fn resume_restored(pids: Vec<i32>) -> Result<usize> {
+    let candidates = nvidia_pids(&pids);
+    if candidates.is_empty() {
+        return Ok(0);
+    }
+    blocking(move || {
+        let api = driver()?;
+        let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
+            .map_err(|e| Error::Gpu(e.to_string()))?;
+        let n = set.processes().len();
+        set.resume_all(&[])
+            .map_err(|e| Error::Gpu(format!("restore of device memory: {e}")))?;
+        Ok(n)
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn annotations_pick_the_quiescer_and_timeout() {
+        let mut a = HashMap::new();
+        a.insert(QUIESCE_ANNOTATION.to_string(), "plugin".to_string());
+        a.insert(LOCK_TIMEOUT_ANNOTATION.to_string(), "2500".to_string());
+        let c = GpuConfig::from_annotations(&a).unwrap();
+        assert_eq!(c.quiescer, Quiescer::CriuPlugin);
+        assert_eq!(c.lock_timeout, Duration::from_millis(2500));
+        a.insert(QUIESCE_ANNOTATION.to_string(), "both".to_string());
+        assert!(GpuConfig::from_annotations(&a).is_err());
+    }
+
+    #[test]
+    fn cpu_processes_are_not_gpu_candidates() {
+        assert!(nvidia_pids(&[std::process::id() as i32]).is_empty());
+    }
+}
