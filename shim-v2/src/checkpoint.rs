@@ -78,11 +78,15 @@ fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
     Ok(files)
 }
 
-/// First error line CRIU wrote to a dump or restore log.
+/// CRIU errors that appear in every run on some hosts and never cause a failure.
+const HARMLESS_CRIU_ERRORS: [&str; 1] = ["rlimit: Can't setup RLIMIT_NOFILE for self"];
+
+/// First error line CRIU wrote to a dump or restore log (known-harmless lines skipped).
 pub fn criu_first_error(log: &Path) -> Option<String> {
     let text = std::fs::read_to_string(log).ok()?;
     text.lines()
-        .find(|l| l.contains("Error (") || l.starts_with("Error"))
+        .filter(|l| l.contains("Error (") || l.starts_with("Error"))
+        .find(|l| !HARMLESS_CRIU_ERRORS.iter().any(|h| l.contains(h)))
         .map(|l| l.trim().to_string())
 }
 
@@ -112,8 +116,8 @@ pub fn validate_image(id: &str, image: &Path) -> Result<()> {
     }
     let text = std::fs::read_to_string(&manifest_path)
         .map_err(|e| refuse(format!("cannot read {MANIFEST}: {e}")))?;
-    let manifest: Manifest = serde_json::from_str(&text)
-        .map_err(|e| refuse(format!("{MANIFEST} is damaged: {e}")))?;
+    let manifest: Manifest =
+        serde_json::from_str(&text).map_err(|e| refuse(format!("{MANIFEST} is damaged: {e}")))?;
     if manifest.version > MANIFEST_VERSION {
         return Err(refuse(format!(
             "{MANIFEST} version {} is newer than this gpucr understands ({MANIFEST_VERSION}); \
@@ -308,11 +312,7 @@ mod tests {
             dump_ms: 1,
             files: scan(dir.path()).unwrap(),
         };
-        std::fs::write(
-            dir.path().join(MANIFEST),
-            serde_json::to_vec(&m).unwrap(),
-        )
-        .unwrap();
+        std::fs::write(dir.path().join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
         dir
     }
 
@@ -358,7 +358,7 @@ mod tests {
         let log = dir.path().join("dump.log");
         std::fs::write(
             &log,
-            "(00.001) Version: 4.1\n(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping\n(00.3) Error (x): later\n",
+            "(00.001) Version: 4.1\n(00.04) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping\n(00.3) Error (x): later\n",
         )
         .unwrap();
         assert_eq!(

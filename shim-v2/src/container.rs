@@ -498,7 +498,12 @@ impl Container {
         Ok(exit)
     }
 
-    pub async fn exec_exited(&self, p: &ExecProcess, status: i32, at: SystemTime) -> Option<ExitInfo> {
+    pub async fn exec_exited(
+        &self,
+        p: &ExecProcess,
+        status: i32,
+        at: SystemTime,
+    ) -> Option<ExitInfo> {
         let mut inner = p.inner.lock().await;
         inner.state = inner.state.next(Verb::Exit).ok()?;
         let mut io = std::mem::take(&mut inner.io);

@@ -22,10 +22,20 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{op} failed: {msg}")]
     Runtime { op: &'static str, msg: String },
-    #[error("checkpoint of {id} failed: {msg}; the container was left running, CRIU's log is at {log}")]
-    Checkpoint { id: String, msg: String, log: PathBuf },
+    #[error(
+        "checkpoint of {id} failed: {msg}; the container was left running, CRIU's log is at {log}"
+    )]
+    Checkpoint {
+        id: String,
+        msg: String,
+        log: PathBuf,
+    },
     #[error("restore of {id} from {image} failed: {msg}")]
-    Restore { id: String, image: PathBuf, msg: String },
+    Restore {
+        id: String,
+        image: PathBuf,
+        msg: String,
+    },
     #[error("GPU: {0}")]
     Gpu(String),
     #[error("{context}: {source}")]
@@ -110,7 +120,10 @@ mod tests {
 
     #[test]
     fn errors_map_to_the_codes_containerd_expects() {
-        assert_eq!(code_of(Error::ContainerNotFound("a".into())), Code::NOT_FOUND);
+        assert_eq!(
+            code_of(Error::ContainerNotFound("a".into())),
+            Code::NOT_FOUND
+        );
         assert_eq!(
             code_of(Error::ProcessNotFound {
                 id: "a".into(),
@@ -118,7 +131,10 @@ mod tests {
             }),
             Code::NOT_FOUND
         );
-        assert_eq!(code_of(Error::AlreadyExists("a".into())), Code::ALREADY_EXISTS);
+        assert_eq!(
+            code_of(Error::AlreadyExists("a".into())),
+            Code::ALREADY_EXISTS
+        );
         assert_eq!(
             code_of(Error::State(StateError {
                 from: InitState::Stopped,

@@ -37,8 +37,11 @@ pub enum IoTarget {
     /// A FIFO that containerd (or a client) created and holds open.
     Fifo(PathBuf),
     /// A logging binary: it gets stdout on fd 3, stderr on fd 4 and closes fd 5 when ready.
-    Binary { path: PathBuf, args: Vec<String> },
-    /// A file that stdout and stderr are appended to.
+    Binary {
+        path: PathBuf,
+        args: Vec<String>,
+    },
+    /// A file that stdout and stderr are appended to (through pipes the shim copies).
     File(PathBuf),
 }
 
@@ -197,13 +200,23 @@ impl PendingIo {
                 if let Some(dir) = path.parent() {
                     std::fs::create_dir_all(dir).ctx(|| format!("creating {}", dir.display()))?;
                 }
-                let f = File::options()
-                    .create(true)
-                    .append(true)
-                    .open(&path)
-                    .ctx(|| format!("opening log file {}", path.display()))?;
-                let f2 = f.try_clone().ctx(|| "dup of log file".into())?;
-                (Stdio::from(f), Stdio::from(f2))
+                // Through pipes, never the file itself: CRIU cannot dump a descriptor of a
+                // host file outside the container's mounts, but it can dump a pipe.
+                let open = || {
+                    File::options()
+                        .create(true)
+                        .append(true)
+                        .open(&path)
+                        .ctx(|| format!("opening log file {}", path.display()))
+                };
+                let mut out = || -> Result<Stdio> {
+                    let (r, w) = pipe()?;
+                    let src = pipe::Receiver::from_owned_fd(r).ctx(|| "log pipe".into())?;
+                    let dst = tokio::fs::File::from_std(open()?);
+                    io.outputs.push(copy_task(src, dst, "log file"));
+                    Ok(Stdio::from(w))
+                };
+                (out()?, out()?)
             }
             IoTarget::Binary { path, args } => start_logging_binary(&path, &args, owner, spawner)?,
             out => {
@@ -330,7 +343,10 @@ fn start_logging_binary(
     });
     rx.recv_timeout(Duration::from_secs(10)).map_err(|_| {
         Error::io(
-            format!("logging binary {} did not signal readiness within 10 s", path.display()),
+            format!(
+                "logging binary {} did not signal readiness within 10 s",
+                path.display()
+            ),
             std::io::ErrorKind::TimedOut.into(),
         )
     })?;
@@ -420,12 +436,18 @@ impl ConsoleSocket {
             "runc did not send a pty master on the console socket (is terminal set in the spec?)"
                 .into()
         })?;
-        conn.set_nonblocking(false).ctx(|| "console socket".into())?;
+        conn.set_nonblocking(false)
+            .ctx(|| "console socket".into())?;
         let mut buf = [0u8; 4096];
         let mut iov = [std::io::IoSliceMut::new(&mut buf)];
         let mut cmsg = nix::cmsg_space!([RawFd; 1]);
-        let msg = recvmsg::<()>(conn.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::empty())
-            .map_err(|e| Error::io("receiving the pty master", e.into()))?;
+        let msg = recvmsg::<()>(
+            conn.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::empty(),
+        )
+        .map_err(|e| Error::io("receiving the pty master", e.into()))?;
         for c in msg.cmsgs().map_err(|e| Error::io("pty cmsg", e.into()))? {
             if let ControlMessageOwned::ScmRights(fds) = c {
                 if let Some(fd) = fds.first() {

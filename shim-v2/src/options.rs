@@ -102,9 +102,8 @@ impl RuntimeOptions {
                 let body = f.string(3);
                 let path = f.string(2);
                 let toml_text = if body.is_empty() && !path.is_empty() {
-                    std::fs::read_to_string(&path).map_err(|e| {
-                        Error::io(format!("reading runtime options file {path}"), e)
-                    })?
+                    std::fs::read_to_string(&path)
+                        .map_err(|e| Error::io(format!("reading runtime options file {path}"), e))?
                 } else {
                     body
                 };
@@ -334,8 +333,7 @@ mod tests {
             "containerd.runc.v1.CheckpointOptions",
             "containerd.linux.runc.CheckpointOptions",
         ] {
-            let c =
-                CheckpointRequest::decode(Some(&any(t, o.write_to_bytes().unwrap()))).unwrap();
+            let c = CheckpointRequest::decode(Some(&any(t, o.write_to_bytes().unwrap()))).unwrap();
             assert!(c.exit);
             assert_eq!(c.image_path, "/i");
             assert_eq!(c.work_path, "/w");

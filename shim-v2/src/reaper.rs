@@ -201,8 +201,7 @@ async fn join(h: Option<tokio::task::JoinHandle<Vec<u8>>>) -> Vec<u8> {
 
 fn status_code(st: StdExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
-    st.code()
-        .unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
+    st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
 
 #[cfg(test)]

@@ -357,7 +357,10 @@ impl Runc {
 
     pub async fn ps(&self, id: &str) -> Result<Vec<i32>> {
         let out = self
-            .run("runc ps", &["ps".into(), "--format".into(), "json".into(), id.into()])
+            .run(
+                "runc ps",
+                &["ps".into(), "--format".into(), "json".into(), id.into()],
+            )
             .await?;
         let pids: Option<Vec<i32>> = serde_json::from_slice(&out).map_err(|e| Error::Decode {
             what: "runc ps output",
@@ -377,7 +380,10 @@ impl Runc {
     /// One `runc events --stats` sample.
     pub async fn stats(&self, id: &str) -> Result<serde_json::Value> {
         let out = self
-            .run("runc events", &["events".into(), "--stats".into(), id.into()])
+            .run(
+                "runc events",
+                &["events".into(), "--stats".into(), id.into()],
+            )
             .await?;
         let v: serde_json::Value = serde_json::from_slice(&out).map_err(|e| Error::Decode {
             what: "runc events --stats output",
@@ -394,9 +400,13 @@ impl Runc {
         // gpucr's CRIU plugin reads this to know whether the dumped tasks live on (runc talks
         // to CRIU over RPC, where the plugin cannot see --leave-running).
         let leave = if o.leave_running { "1" } else { "0" };
-        self.run_env("runc checkpoint", &a, &[("GPUCR_CRIU_LEAVE_RUNNING", leave)])
-            .await
-            .map(drop)
+        self.run_env(
+            "runc checkpoint",
+            &a,
+            &[("GPUCR_CRIU_LEAVE_RUNNING", leave)],
+        )
+        .await
+        .map(drop)
     }
 
     pub async fn restore(&self, id: &str, o: &RestoreOpts, stdio: ChildStdio) -> Result<()> {

@@ -19,7 +19,10 @@ use crate::{
 };
 
 /// Annotations that put containers of one pod into one shim.
-const GROUP_ANNOTATIONS: [&str; 2] = ["io.containerd.gpucr.v2.group", "io.kubernetes.cri.sandbox-id"];
+const GROUP_ANNOTATIONS: [&str; 2] = [
+    "io.containerd.gpucr.v2.group",
+    "io.kubernetes.cri.sandbox-id",
+];
 /// Written at Create so that `delete` (run when the shim is gone) uses the same runc.
 const OPTIONS_FILE: &str = "gpucr-options.json";
 
@@ -70,7 +73,8 @@ impl containerd_shim::Shim for Service {
     }
 
     async fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
-        let cwd = std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let cwd =
+            std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         let group = grouping(&cwd, &opts.id);
         let address = containerd_shim::spawn(opts, &group, Vec::new()).await?;
         write_str_to_file("address", &address).await?;
@@ -79,8 +83,8 @@ impl containerd_shim::Shim for Service {
 
     /// containerd could not reach the shim (it crashed or was killed): clean up after it.
     async fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
-        let bundle = std::env::current_dir()
-            .map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
+        let bundle =
+            std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
         let opts = read_bundle_options(&bundle);
         let runc = Runc {
             binary: opts.binary().to_string(),

@@ -65,10 +65,16 @@ pub fn to_v1(s: &Value) -> v1::Metrics {
         .map(|a| a.iter().filter_map(Value::as_u64).collect())
         .unwrap_or_default();
     let mut blkio = v1::BlkIOStat::default();
-    if let Some(entries) = s.pointer("/blkio/ioServiceBytesRecursive").and_then(Value::as_array) {
+    if let Some(entries) = s
+        .pointer("/blkio/ioServiceBytesRecursive")
+        .and_then(Value::as_array)
+    {
         blkio.io_service_bytes_recursive = entries.iter().map(blk_entry).collect();
     }
-    if let Some(entries) = s.pointer("/blkio/ioServicedRecursive").and_then(Value::as_array) {
+    if let Some(entries) = s
+        .pointer("/blkio/ioServicedRecursive")
+        .and_then(Value::as_array)
+    {
         blkio.io_serviced_recursive = entries.iter().map(blk_entry).collect();
     }
     let hugetlb = s

@@ -266,9 +266,7 @@ impl TaskService {
         } else {
             let p = c.exec(&req.exec_id)?;
             let owner = Owner::Exec(req.id.clone(), req.exec_id.clone());
-            let pid = c
-                .start_exec(&p, |pid| inner.register(pid, owner))
-                .await?;
+            let pid = c.start_exec(&p, |pid| inner.register(pid, owner)).await?;
             inner
                 .send(TaskExecStarted {
                     container_id: req.id.clone(),
@@ -485,7 +483,13 @@ impl TaskService {
         let c = self.inner.container(&req.id)?;
         let pids = c.runc.ps(&req.id).await?;
         let mut exec_pids = HashMap::new();
-        let execs: Vec<_> = c.execs.lock().expect("execs lock").values().cloned().collect();
+        let execs: Vec<_> = c
+            .execs
+            .lock()
+            .expect("execs lock")
+            .values()
+            .cloned()
+            .collect();
         for p in execs {
             let pid = p.inner.lock().await.pid;
             if pid != 0 {
@@ -662,7 +666,9 @@ mod tests {
         let got = t.register(42, Owner::Init("c".into())).unwrap();
         assert_eq!(got.status, 1);
         // Registered normally: the exit is routed once, then forgotten.
-        assert!(t.register(43, Owner::Exec("c".into(), "e".into())).is_none());
+        assert!(t
+            .register(43, Owner::Exec("c".into(), "e".into()))
+            .is_none());
         let e2 = Exit { pid: 43, ..exit };
         assert_eq!(t.route(e2), Some(Owner::Exec("c".into(), "e".into())));
         assert_eq!(t.route(e2), None);

@@ -52,3 +52,120 @@ impl Containerd {
         Ok(())
     }
 }
+
+/// Flags of `ctr task checkpoint` that travel as `containerd.runc.v1.CheckpointOptions`.
+#[derive(Debug, Default, Clone)]
+pub struct CheckpointFlags<'a> {
+    pub exit: bool,
+    pub image_path: Option<&'a std::path::Path>,
+    pub work_path: Option<&'a std::path::Path>,
+}
+
+/// Where a checkpoint went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckpointOutcome {
+    /// An image in the content store (`ctr task checkpoint` without `--image-path`).
+    Stored(String),
+    /// A CRIU image directory.
+    Dir(std::path::PathBuf),
+}
+
+impl Containerd {
+    /// True when this `ctr` sends `--exit`/`--image-path`/`--work-path` to the runtime under
+    /// test: containerd 1.7's ctr does so only for runtimes named `io.containerd.runc.*`
+    /// (2.x for every runtime).
+    pub fn ctr_forwards_checkpoint_flags(&self) -> bool {
+        if self.runtime().starts_with("io.containerd.runc.") {
+            return true;
+        }
+        let version = self
+            .ctr(&["--version"])
+            .map(|o| o.stdout)
+            .unwrap_or_default();
+        let major = version.split_whitespace().nth(2).and_then(|v| {
+            v.trim_start_matches('v')
+                .split('.')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        });
+        major.is_some_and(|m| m >= 2)
+    }
+
+    /// `ctr task checkpoint` with `flags`. Where this ctr would drop the flags (1.7 with a
+    /// non-runc runtime), sends the request containerd 2.x's daemon forwards for them — path =
+    /// the image path (a fresh directory when none is given) and `CheckpointOptions` — to the
+    /// shim over ttrpc instead, so the shim's handling of the options is what is tested.
+    pub fn checkpoint_with_flags(
+        &self,
+        id: &str,
+        flags: &CheckpointFlags<'_>,
+    ) -> Result<CheckpointOutcome> {
+        if self.ctr_forwards_checkpoint_flags() {
+            let image = flags.image_path.map(|p| p.to_string_lossy().into_owned());
+            let work = flags.work_path.map(|p| p.to_string_lossy().into_owned());
+            let mut extra: Vec<&str> = Vec::new();
+            if flags.exit {
+                extra.push("--exit");
+            }
+            if let Some(i) = &image {
+                extra.extend(["--image-path", i.as_str()]);
+            }
+            if let Some(w) = &work {
+                extra.extend(["--work-path", w.as_str()]);
+            }
+            let stored = self.task_checkpoint(id, &extra)?;
+            return Ok(match (stored, flags.image_path) {
+                (Some(name), _) => CheckpointOutcome::Stored(name),
+                (None, Some(dir)) => CheckpointOutcome::Dir(dir.to_path_buf()),
+                (None, None) => {
+                    return Err(HarnessError::Unexpected(format!(
+                        "ctr task checkpoint {id} stored no image"
+                    )))
+                }
+            });
+        }
+        let dir = match flags.image_path {
+            Some(p) => p.to_path_buf(),
+            None => self.dir().join(format!("ckpt-{id}-{}", std::process::id())),
+        };
+        let options = containerd_shim_protos::shim::oci::CheckpointOptions {
+            exit: flags.exit,
+            image_path: dir.to_string_lossy().into_owned(),
+            work_path: flags
+                .work_path
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            ..Default::default()
+        };
+        let request = containerd_shim_protos::api::CheckpointTaskRequest {
+            id: id.to_owned(),
+            path: dir.to_string_lossy().into_owned(),
+            options: protobuf::MessageField::some(Any {
+                type_url: "containerd.runc.v1.CheckpointOptions".to_owned(),
+                value: protobuf::Message::write_to_bytes(&options)
+                    .map_err(|e| HarnessError::Unexpected(format!("encoding options: {e}")))?,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let (client, ctx) = self.shim_client(id)?;
+        client.checkpoint(ctx, &request)?;
+        Ok(CheckpointOutcome::Dir(dir))
+    }
+
+    /// Restores container `id` (which must not exist) from a checkpoint `outcome`; `image` and
+    /// `spec_json` describe the container for a directory checkpoint.
+    pub fn restore_outcome(
+        &self,
+        id: &str,
+        outcome: &CheckpointOutcome,
+        image: &str,
+        spec_json: &[u8],
+    ) -> Result<()> {
+        match outcome {
+            CheckpointOutcome::Stored(name) => self.restore_task_checkpoint(id, name, true),
+            CheckpointOutcome::Dir(dir) => self.restore_from_image_path(id, dir, image, spec_json),
+        }
+    }
+}

@@ -4,10 +4,18 @@
 //! containerd 1.7's ctr cannot restore a `ctr task checkpoint` image or an `--image-path`
 //! directory by itself; the harness repackages those as container checkpoint images and
 //! restores them with `ctr container restore --live` (see `gpucr_tests::checkpoint`).
+//!
+//! containerd 1.7's ctr also drops `--exit`, `--image-path` and `--work-path` for runtimes not
+//! named `io.containerd.runc.*`; for gpucr those tests send the request containerd 2.x's daemon
+//! forwards for them straight to the shim (`Containerd::checkpoint_with_flags`).
 
 use std::time::{Duration, Instant};
 
-use gpucr_tests::{setup, unique_id, Containerd};
+use gpucr_tests::{
+    setup,
+    shim_client::{CheckpointFlags, CheckpointOutcome},
+    unique_id, Containerd,
+};
 
 /// Counter value a workload reaches before a checkpoint: far above what a workload restarted
 /// from 0 could reach between restore and the first read.
@@ -65,10 +73,14 @@ fn task_checkpoint_exit_then_restore() {
     let (ctd, image) = setup();
     let id = unique_id("ck-exit");
     let before = warm_counter(&ctd, &id, &image);
+    let spec = ctd.container_spec(&id).unwrap();
+    let flags = CheckpointFlags {
+        exit: true,
+        ..Default::default()
+    };
     let checkpoint = ctd
-        .task_checkpoint(&id, &["--exit"])
-        .expect("ctr task checkpoint --exit")
-        .expect("checkpoint image stored");
+        .checkpoint_with_flags(&id, &flags)
+        .expect("ctr task checkpoint --exit");
     ctd.wait_status(&id, "STOPPED")
         .expect("--exit stops the task");
     let pid = ctd.task_pid(&id).unwrap_or(0) as i32;
@@ -79,7 +91,7 @@ fn task_checkpoint_exit_then_restore() {
 
     ctd.remove_container(&id).unwrap();
     let restored_at = Instant::now();
-    ctd.restore_task_checkpoint(&id, &checkpoint, true)
+    ctd.restore_outcome(&id, &checkpoint, &image, &spec)
         .expect("restore");
     // With --exit nothing ran after the dump: the checkpointed value is at most one past the
     // last read.
@@ -95,19 +107,17 @@ fn task_checkpoint_image_path_and_work_path_then_restore() {
     let work_path = ctd.dir().join("ck-work");
     let before = warm_counter(&ctd, &id, &image);
     let spec = ctd.container_spec(&id).unwrap();
+    let flags = CheckpointFlags {
+        image_path: Some(&image_path),
+        work_path: Some(&work_path),
+        ..Default::default()
+    };
     let stored = ctd
-        .task_checkpoint(
-            &id,
-            &[
-                "--image-path",
-                image_path.to_str().unwrap(),
-                "--work-path",
-                work_path.to_str().unwrap(),
-            ],
-        )
+        .checkpoint_with_flags(&id, &flags)
         .expect("ctr task checkpoint --image-path --work-path");
     assert_eq!(
-        stored, None,
+        stored,
+        CheckpointOutcome::Dir(image_path.clone()),
         "with --image-path nothing goes to the content store"
     );
     assert!(
@@ -138,11 +148,13 @@ fn task_checkpoint_image_path_exit() {
     let image_path = ctd.dir().join("ck-images");
     let before = warm_counter(&ctd, &id, &image);
     let spec = ctd.container_spec(&id).unwrap();
-    ctd.task_checkpoint(
-        &id,
-        &["--exit", "--image-path", image_path.to_str().unwrap()],
-    )
-    .expect("ctr task checkpoint --exit --image-path");
+    let flags = CheckpointFlags {
+        exit: true,
+        image_path: Some(&image_path),
+        ..Default::default()
+    };
+    ctd.checkpoint_with_flags(&id, &flags)
+        .expect("ctr task checkpoint --exit --image-path");
     ctd.wait_status(&id, "STOPPED").unwrap();
     assert!(image_path.join("inventory.img").is_file());
 
@@ -237,21 +249,28 @@ fn restored_task_checkpoints_again() {
     let (ctd, image) = setup();
     let id = unique_id("ck-again");
     let mut before = warm_counter(&ctd, &id, &image);
-    let mut previous: Option<String> = None;
+    let spec = ctd.container_spec(&id).unwrap();
+    let mut previous: Option<CheckpointOutcome> = None;
     for round in 0..2 {
-        if let Some(old) = previous.take() {
+        if let Some(CheckpointOutcome::Stored(old)) = previous.take() {
             // containerd 1.7: a second task checkpoint with the same spec blob fails with
             // "content ... already exists" unless the older image is gone.
             ctd.remove_image(&old).unwrap();
         }
+        let dir = ctd.dir().join(format!("round-{round}"));
+        let flags = CheckpointFlags {
+            exit: true,
+            // Without ctr forwarding the flags, each round needs a directory of its own.
+            image_path: (!ctd.ctr_forwards_checkpoint_flags()).then_some(dir.as_path()),
+            ..Default::default()
+        };
         let checkpoint = ctd
-            .task_checkpoint(&id, &["--exit"])
-            .unwrap_or_else(|e| panic!("checkpoint round {round}: {e}"))
-            .expect("checkpoint image stored");
+            .checkpoint_with_flags(&id, &flags)
+            .unwrap_or_else(|e| panic!("checkpoint round {round}: {e}"));
         ctd.wait_status(&id, "STOPPED").unwrap();
         ctd.remove_container(&id).unwrap();
         let restored_at = Instant::now();
-        ctd.restore_task_checkpoint(&id, &checkpoint, true)
+        ctd.restore_outcome(&id, &checkpoint, &image, &spec)
             .unwrap_or_else(|e| panic!("restore round {round}: {e}"));
         assert_continues(&ctd, &id, before, before + 2, restored_at);
         before = ctd.wait_counter_above(&id, before + 3).unwrap();
