@@ -12,6 +12,7 @@ pub mod events;
 pub mod gpu;
 pub mod io;
 pub mod logger;
+pub mod oom;
 pub mod options;
 pub mod process;
 pub mod reaper;

@@ -220,6 +220,8 @@ mod tests {
         assert_eq!(out.stderr, b"err\n");
 
         // A child nobody awaits goes to the exit stream, with 128+signal when killed.
+        // Reaped by the reaper under test, not by std: hence no wait().
+        #[allow(clippy::zombie_processes)]
         let child = Command::new("sleep").arg("30").spawn().unwrap();
         let pid = child.id() as i32;
         nix::sys::signal::kill(Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();

@@ -85,6 +85,8 @@ pub struct Inner {
     events: Arc<dyn EventSender>,
     spawner: Spawner,
     exit: Arc<ExitSignal>,
+    /// OOM watchers send the container id here; one task turns them into TaskOOM events.
+    oom: tokio::sync::mpsc::UnboundedSender<String>,
 }
 
 #[derive(Clone)]
@@ -100,6 +102,7 @@ impl TaskService {
         exit: Arc<ExitSignal>,
         exits: UnboundedReceiver<Exit>,
     ) -> Self {
+        let (oom, mut ooms) = tokio::sync::mpsc::unbounded_channel::<String>();
         let inner = Arc::new(Inner {
             namespace,
             containers: RwLock::new(HashMap::new()),
@@ -107,8 +110,23 @@ impl TaskService {
             events,
             spawner,
             exit,
+            oom,
         });
         tokio::spawn(process_exits(inner.clone(), exits));
+        let events = inner.events.clone();
+        tokio::spawn(async move {
+            while let Some(container_id) = ooms.recv().await {
+                tracing::warn!(id = %container_id, "OOM kill in the container's cgroup");
+                publish(
+                    events.as_ref(),
+                    TaskOOM {
+                        container_id,
+                        ..Default::default()
+                    },
+                )
+                .await;
+            }
+        });
         TaskService { inner }
     }
 }
@@ -223,6 +241,9 @@ impl TaskService {
             .expect("containers lock")
             .insert(req.id.clone(), c);
         inner.register(pid, Owner::Init(req.id.clone()));
+        if pid != 0 {
+            crate::oom::watch(req.id.clone(), pid, inner.oom.clone());
+        }
         tracing::info!(id = %req.id, pid, restore = !req.checkpoint.is_empty(), "created");
         inner
             .send(TaskCreate {
@@ -251,9 +272,13 @@ impl TaskService {
         let inner = &self.inner;
         let c = inner.container(&req.id)?;
         let pid = if req.exec_id.is_empty() {
+            let restoring = c.pid() == 0;
             let pid = c
                 .start(|pid| inner.register(pid, Owner::Init(req.id.clone())))
                 .await?;
+            if restoring {
+                crate::oom::watch(req.id.clone(), pid, inner.oom.clone());
+            }
             tracing::info!(id = %req.id, pid, "started");
             inner
                 .send(TaskStart {
