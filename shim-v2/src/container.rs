@@ -169,6 +169,8 @@ impl Container {
                         IoOwner {
                             id: &cfg.id,
                             namespace: &cfg.namespace,
+                            uid: cfg.opts.io_uid,
+                            gid: cfg.opts.io_gid,
                         },
                         &spawner,
                     )?;
@@ -241,6 +243,8 @@ impl Container {
             IoOwner {
                 id: &self.id,
                 namespace: &self.namespace,
+                uid: self.opts.io_uid,
+                gid: self.opts.io_gid,
             },
             &self.runc.spawner,
         )?;
@@ -434,6 +438,8 @@ impl Container {
                 IoOwner {
                     id: &self.id,
                     namespace: &self.namespace,
+                    uid: self.opts.io_uid,
+                    gid: self.opts.io_gid,
                 },
                 &self.runc.spawner,
             )?;

@@ -109,10 +109,13 @@ pub struct StdioSpec {
     pub terminal: bool,
 }
 
-/// Who the process belongs to, for logging binaries.
+/// Who the process belongs to: logging binaries get the ids; the pipes belong to
+/// `IoUid`/`IoGid` (runtime options) so a process in a user namespace can use them.
 pub struct IoOwner<'a> {
     pub id: &'a str,
     pub namespace: &'a str,
+    pub uid: u32,
+    pub gid: u32,
 }
 
 /// Copiers of a running process's stdio.
@@ -131,8 +134,19 @@ pub struct PendingIo {
     spec: StdioSpec,
 }
 
-fn pipe() -> Result<(OwnedFd, OwnedFd)> {
-    pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::io("creating a pipe", e.into()))
+fn pipe(owner: &IoOwner<'_>) -> Result<(OwnedFd, OwnedFd)> {
+    let (r, w) = pipe2(OFlag::O_CLOEXEC).map_err(|e| Error::io("creating a pipe", e.into()))?;
+    if owner.uid != 0 || owner.gid != 0 {
+        for fd in [&r, &w] {
+            nix::unistd::fchown(
+                fd,
+                Some(nix::unistd::Uid::from_raw(owner.uid)),
+                Some(nix::unistd::Gid::from_raw(owner.gid)),
+            )
+            .map_err(|e| Error::io("chown of a stdio pipe to IoUid/IoGid", e.into()))?;
+        }
+    }
+    Ok((r, w))
 }
 
 fn fifo_writer(path: &Path) -> Result<pipe::Sender> {
@@ -187,7 +201,7 @@ impl PendingIo {
         let stdin = match IoTarget::parse(&spec.stdin)? {
             IoTarget::Null => Stdio::null(),
             IoTarget::Fifo(path) => {
-                let (r, w) = pipe()?;
+                let (r, w) = pipe(&owner)?;
                 let src = fifo_reader(&path)?;
                 let dst = pipe::Sender::from_owned_fd(w).ctx(|| "stdin pipe".into())?;
                 io.stdin = Some(copy_task(src, dst, "stdin"));
@@ -210,7 +224,7 @@ impl PendingIo {
                         .ctx(|| format!("opening log file {}", path.display()))
                 };
                 let mut out = || -> Result<Stdio> {
-                    let (r, w) = pipe()?;
+                    let (r, w) = pipe(&owner)?;
                     let src = pipe::Receiver::from_owned_fd(r).ctx(|| "log pipe".into())?;
                     let dst = tokio::fs::File::from_std(open()?);
                     io.outputs.push(copy_task(src, dst, "log file"));
@@ -218,10 +232,11 @@ impl PendingIo {
                 };
                 (out()?, out()?)
             }
-            IoTarget::Binary { path, args } => start_logging_binary(&path, &args, owner, spawner)?,
+            IoTarget::Binary { path, args } => start_logging_binary(&path, &args, &owner, spawner)?,
             out => {
-                let stdout = output_pipe(out, &mut io, "stdout")?;
-                let stderr = output_pipe(IoTarget::parse(&spec.stderr)?, &mut io, "stderr")?;
+                let stdout = output_pipe(out, &owner, &mut io, "stdout")?;
+                let stderr =
+                    output_pipe(IoTarget::parse(&spec.stderr)?, &owner, &mut io, "stderr")?;
                 (stdout, stderr)
             }
         };
@@ -275,11 +290,16 @@ impl PendingIo {
     }
 }
 
-fn output_pipe(target: IoTarget, io: &mut ProcessIo, what: &'static str) -> Result<Stdio> {
+fn output_pipe(
+    target: IoTarget,
+    owner: &IoOwner<'_>,
+    io: &mut ProcessIo,
+    what: &'static str,
+) -> Result<Stdio> {
     match target {
         IoTarget::Null => Ok(Stdio::null()),
         IoTarget::Fifo(path) => {
-            let (r, w) = pipe()?;
+            let (r, w) = pipe(&owner)?;
             let src = pipe::Receiver::from_owned_fd(r).ctx(|| format!("{what} pipe"))?;
             let dst = fifo_writer(&path)?;
             io.outputs.push(copy_task(src, dst, what));
@@ -295,12 +315,12 @@ fn output_pipe(target: IoTarget, io: &mut ProcessIo, what: &'static str) -> Resu
 fn start_logging_binary(
     path: &Path,
     args: &[String],
-    owner: IoOwner<'_>,
+    owner: &IoOwner<'_>,
     spawner: &Spawner,
 ) -> Result<(Stdio, Stdio)> {
-    let (out_r, out_w) = pipe()?;
-    let (err_r, err_w) = pipe()?;
-    let (ready_r, ready_w) = pipe()?;
+    let (out_r, out_w) = pipe(owner)?;
+    let (err_r, err_w) = pipe(owner)?;
+    let (ready_r, ready_w) = pipe(owner)?;
     let fds: [RawFd; 3] = [out_r.as_raw_fd(), err_r.as_raw_fd(), ready_w.as_raw_fd()];
     let mut cmd = Command::new(path);
     cmd.args(args)
@@ -472,6 +492,24 @@ impl Drop for ConsoleSocket {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pipes_belong_to_io_uid_and_gid() {
+        if !nix::unistd::Uid::effective().is_root() {
+            return; // chown needs root
+        }
+        let owner = IoOwner {
+            id: "c",
+            namespace: "n",
+            uid: 1234,
+            gid: 4321,
+        };
+        let (r, w) = pipe(&owner).unwrap();
+        for fd in [r, w] {
+            let st = nix::sys::stat::fstat(&fd).unwrap();
+            assert_eq!((st.st_uid, st.st_gid), (1234, 4321));
+        }
+    }
 
     #[test]
     fn parse_every_scheme() {

@@ -1,6 +1,7 @@
 //! A private containerd daemon per test, torn down (with every shim and container it started)
 //! on drop.
 
+use std::ffi::OsStr;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -94,6 +95,12 @@ pub struct Containerd {
 impl Containerd {
     /// Starts a daemon and waits until it answers. The shim directory goes first in its PATH.
     pub fn start() -> Result<Self> {
+        Self::start_with_env::<&str, &str>(&[])
+    }
+
+    /// [`Containerd::start`] with extra environment for the daemon, which its shims (and the
+    /// runc and CRIU they run) inherit.
+    pub fn start_with_env<K: AsRef<OsStr>, V: AsRef<OsStr>>(env: &[(K, V)]) -> Result<Self> {
         static SEQUENCE: AtomicU32 = AtomicU32::new(0);
         let runtime = runtime_under_test();
         let shim_dir = match shim_dir() {
@@ -133,6 +140,7 @@ impl Containerd {
             .arg("--config")
             .arg(&config_path)
             .env("PATH", path)
+            .envs(env.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)

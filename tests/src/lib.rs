@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod command;
 pub mod containerd;
 pub mod error;
+pub mod fake_cuda;
 pub mod image;
 pub mod poll;
 pub mod procfs;

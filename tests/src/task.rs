@@ -46,10 +46,21 @@ impl Containerd {
     /// `ctr run -d`: starts `args` in a new container `id` from `image`; stdout and stderr go
     /// to a file in the daemon's directory (see [`Containerd::container_log`]).
     pub fn run_detached(&self, id: &str, image: &str, args: &[String]) -> Result<Output> {
+        self.run_detached_with(id, image, &[], args)
+    }
+
+    /// [`Containerd::run_detached`] with extra `ctr run` flags (e.g. `--annotation k=v`).
+    pub fn run_detached_with(
+        &self,
+        id: &str,
+        image: &str,
+        flags: &[&str],
+        args: &[String],
+    ) -> Result<Output> {
         let log = self.dir().join(format!("{id}.log"));
         let mut cmd = self.ctr_cmd().args(["run", "-d"]).args(self.run_flags());
         cmd = cmd.arg(format!("--log-uri=file://{}", log.display()));
-        cmd.arg(image).arg(id).args(args).run_ok()
+        cmd.args(flags).arg(image).arg(id).args(args).run_ok()
     }
 
     /// Starts the counter workload in container `id` and waits until it has counted.

@@ -95,6 +95,8 @@ struct CudaPid {
 struct Script {
     driver_version: c_int,
     pids: BTreeMap<i32, CudaPid>,
+    /// `cuda * [state=..]`: every pid not listed is a CUDA process starting in this state.
+    any_pid: Option<u8>,
     rules: Vec<Rule>,
 }
 
@@ -110,6 +112,7 @@ fn load_script() -> Script {
     let mut script = Script {
         driver_version: 13000,
         pids: BTreeMap::new(),
+        any_pid: None,
         rules: Vec::new(),
     };
     let Some(path) = std::env::var_os("GPUCR_FAKE_CUDA_SCRIPT") else {
@@ -122,6 +125,10 @@ fn load_script() -> Script {
         match words.as_slice() {
             [] => {}
             ["driver_version", v] => script.driver_version = v.parse().unwrap_or(13000),
+            ["cuda", "*", rest @ ..] => {
+                let state = rest.iter().find_map(|kv| kv.strip_prefix("state="));
+                script.any_pid = Some(state.map_or(RUNNING, parse_state));
+            }
             ["cuda", pid, rest @ ..] => {
                 let Ok(pid) = pid.parse() else { continue };
                 let mut p = CudaPid {
@@ -259,6 +266,7 @@ fn call(
     let state_path = format!("{log}.state");
     let key = (op.name().to_string(), pid);
 
+    let started_ms = unix_ms();
     let action = {
         let _guard = FileLock::take(&log);
         let mut shared = Shared::load(&state_path);
@@ -286,9 +294,13 @@ fn call(
 
     let _guard = FileLock::take(&log);
     let mut shared = Shared::load(&state_path);
-    let found = script.pids.get(&pid).map(|p| CudaPid {
-        tid: p.tid,
-        state: shared.state.get(&pid).copied().unwrap_or(p.state),
+    let scripted = match script.pids.get(&pid) {
+        Some(p) => Some((p.tid, p.state)),
+        None => script.any_pid.map(|state| (pid, state)),
+    };
+    let found = scripted.map(|(tid, state)| CudaPid {
+        tid,
+        state: shared.state.get(&pid).copied().unwrap_or(state),
     });
     let rc = match &found {
         None => INVALID_VALUE,
@@ -305,8 +317,19 @@ fn call(
             None => SUCCESS,
         },
     };
-    append_log(&log, &format!("{} {pid}{extra} -> {rc}", op.name()));
+    let line = format!("{} {pid}{extra} -> {rc}", op.name());
+    append_log(
+        &format!("{log}.times"),
+        &format!("{started_ms} {} {line}", unix_ms()),
+    );
+    append_log(&log, &line);
     (rc, found)
+}
+
+fn unix_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
 }
 
 fn all_zero(p: *const c_void, from: usize) -> bool {
