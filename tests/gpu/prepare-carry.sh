@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Prepares carry/ for the GPU end-to-end run (tests/gpu/h200-e2e.sh) on a CPU machine with apt:
+#   carry/debs/  Debian .deb files the GPU machine lacks: containerd 1.7, runc 1.1, CRIU 4.1 and
+#                its libraries (trixie), busybox-static 1.35 (bookworm: trixie's 1.37 mis-restarts
+#                `sleep` after CRIU)
+#   carry/bin/   containerd-shim-gpucr-v2 and libgpucr_criu_plugin.so (release builds)
+# usage: tests/gpu/prepare-carry.sh [--no-build]
+# The release binaries come from $CARGO_TARGET_DIR/release (default target/release); they are
+# built first unless --no-build is given. carry/ is git-ignored; the device tool takes it along
+# when `carry` names it. Needs apt sources for trixie (see install/deps.sh) and bookworm.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+build=1
+[ "${1:-}" = --no-build ] && build=0
+
+# Packages that run on the GPU machine when extracted with dpkg -x (see shared/notes/gpu-facts.md).
+trixie_pkgs=(
+  containerd runc criu
+  libcompel1 libprotobuf-c1 libnl-3-200 libnet1 libnftables1 libnftnl11 libmnl0 libjansson4
+  libxtables12 libedit2 libbsd0 libgnutls30t64 libnettle8t64 libhogweed6t64 libunistring5
+  libp11-kit0 libtasn1-6 libidn2-0 libgmp10 libmd0 libffi8
+)
+limit_mib=58   # the device tool carries 64 MiB in all, the working tree included
+
+git check-ignore -q carry/ || { echo "error: carry/ is not git-ignored (add /carry to .gitignore)" >&2; exit 1; }
+
+target=${CARGO_TARGET_DIR:-$repo/target}
+if [ "$build" = 1 ]; then
+  echo "== cargo build --release (target dir $target)"
+  CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin
+fi
+
+rm -rf carry/debs carry/bin
+mkdir -p carry/debs carry/bin
+
+echo "== apt-get download (trixie): ${trixie_pkgs[*]}"
+( cd carry/debs && apt-get download -t trixie "${trixie_pkgs[@]}" )
+
+# busybox-static from bookworm: pick the newest 1.35 version apt knows.
+bb_version=$(apt-cache madison busybox-static | awk -F'|' '{gsub(/ /,"",$2); print $2}' | grep -m1 '1\.35\.' || true)
+[ -n "$bb_version" ] || { echo "error: apt knows no busybox-static 1.35 (bookworm); is bookworm in the apt sources?" >&2; exit 1; }
+echo "== apt-get download busybox-static=$bb_version"
+( cd carry/debs && apt-get download "busybox-static=$bb_version" )
+
+for p in "${trixie_pkgs[@]}" busybox-static; do
+  ls carry/debs/"${p}"_*.deb >/dev/null 2>&1 || { echo "error: no .deb for $p in carry/debs" >&2; exit 1; }
+done
+
+for f in "$target/release/containerd-shim-gpucr-v2" "$target/release/libgpucr_criu_plugin.so"; do
+  [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin" >&2; exit 1; }
+  cp "$f" carry/bin/
+done
+strip carry/bin/* 2>/dev/null || true
+
+echo "== carry/"
+ls -l carry/debs carry/bin
+carry_kib=$(du -sk carry | cut -f1)
+# What else travels: tracked and untracked-not-ignored files (shared/ too, where there is one).
+tree_kib=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {printf "%d", s / 1024}')
+echo "carry/: $((carry_kib / 1024)) MiB; working tree: $((tree_kib / 1024)) MiB; together at most ${limit_mib} MiB (the device tool takes 64)"
+if [ $((carry_kib + tree_kib)) -gt $((limit_mib * 1024)) ]; then
+  echo "error: carry/ plus the working tree is over ${limit_mib} MiB" >&2
+  exit 1
+fi
+echo "ok: run on the GPU machine with carry=[\"carry\"]: bash tests/gpu/h200-e2e.sh"
