@@ -193,12 +193,13 @@ impl Container {
                 Some(line) => format!("{e}; CRIU: {line}"),
                 None => e.to_string(),
             };
+            // Thaw first: the driver's restore runs a thread inside the process.
+            self.ensure_running(init.state).await;
             if let Some(q) = quiesced {
-                if let Err(g) = q.resume().await {
+                if let Err(g) = self.resume_gpu(q, init.state).await {
                     msg = format!("{msg}; and then {g}");
                 }
             }
-            self.ensure_running(init.state).await;
             tracing::error!(id = %self.id, "checkpoint failed: {msg}");
             return Err(Error::Checkpoint {
                 id: self.id.clone(),
@@ -212,7 +213,9 @@ impl Container {
                 let (q, recorded) = q.record(image.to_path_buf()).await;
                 if let Err(e) = recorded {
                     if !req.exit {
-                        let _ = q.resume().await;
+                        if let Err(g) = self.resume_gpu(q, init.state).await {
+                            tracing::error!(id = %self.id, "after a failed GPU record: {g}");
+                        }
                     }
                     return Err(e);
                 }
@@ -220,24 +223,39 @@ impl Container {
             }
             None => None,
         };
-        let manifest = Manifest {
-            version: MANIFEST_VERSION,
-            container_id: self.id.clone(),
-            created_at: humantime_now(),
-            leave_running: !req.exit,
-            dump_ms,
-            files: scan(image)?,
+        let written = write_manifest(&self.id, image, !req.exit, dump_ms);
+        if written.is_ok() {
+            tracing::info!(id = %self.id, dump_ms, "checkpointed");
+        }
+        // The task lives on (leave-running): its GPU must too, whether or not the manifest
+        // was written.
+        let resumed = match quiesced {
+            Some(q) if !req.exit => self.resume_gpu(q, init.state).await,
+            _ => Ok(()),
         };
-        let path = image.join(MANIFEST);
-        let text = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-        std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))?;
-        tracing::info!(id = %self.id, dump_ms, "checkpointed");
-        if let Some(q) = quiesced {
-            if !req.exit {
-                q.resume().await?;
+        if let (Err(_), Err(g)) = (&written, &resumed) {
+            tracing::error!(id = %self.id, "after a failed manifest: {g}");
+        }
+        written.and(resumed)
+    }
+
+    /// Restores and unlocks the CUDA processes `q` of a task that lives on. A paused task is
+    /// thawed for it and paused again, as for the lock: the driver works on a thread inside
+    /// the process.
+    async fn resume_gpu(&self, q: gpu::Quiesced, state: InitState) -> Result<()> {
+        let paused = state == InitState::Paused;
+        if paused {
+            if let Err(e) = self.runc.resume(&self.id).await {
+                tracing::error!(id = %self.id, "thawing for the GPU restore: {e}");
             }
         }
-        Ok(())
+        let res = q.resume().await;
+        if paused {
+            if let Err(e) = self.runc.pause(&self.id).await {
+                tracing::error!(id = %self.id, "re-pausing after the GPU restore: {e}");
+            }
+        }
+        res
     }
 
     /// Locks and checkpoints the container's CUDA processes when the shim is the quiescer.
@@ -287,6 +305,21 @@ impl Container {
             }
         }
     }
+}
+
+/// Writes `gpucr-checkpoint.json`: every file of the image with its size (and checksum).
+fn write_manifest(id: &str, image: &Path, leave_running: bool, dump_ms: u64) -> Result<()> {
+    let manifest = Manifest {
+        version: MANIFEST_VERSION,
+        container_id: id.to_string(),
+        created_at: humantime_now(),
+        leave_running,
+        dump_ms,
+        files: scan(image)?,
+    };
+    let path = image.join(MANIFEST);
+    let text = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
+    std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
 }
 
 fn humantime_now() -> String {

@@ -1,0 +1,858 @@
+//! The shim's GPU paths end to end on a CPU machine: a real containerd, runc and CRIU, with
+//! tests/fake-libcuda as the CUDA driver.
+//!
+//! Every container process is a GPU candidate (`GPUCR_GPU_ALL_PROCESSES=1`); the fake's script
+//! says which pids are CUDA processes and how each driver call behaves, and its log and state
+//! file show what the shim (or CRIU's plugin) did to them. `CRIU_LIBS_DIR` points at a
+//! directory of this test's own, empty for the shim-quiesce tests (so an installed CUDA plugin
+//! does not take over) and holding gpucr's plugin for the plugin tests.
+//!
+//! Only meaningful for gpucr: with `GPUCR_TEST_RUNTIME` set to another runtime they pass
+//! without doing anything.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, RUNNING};
+use gpucr_tests::image::MEDIA_CRIU_TAR;
+use gpucr_tests::shim_client::CheckpointFlags;
+use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
+use serde_json::Value;
+
+/// Counter value the workload reaches before a checkpoint.
+const WARM_COUNT: u64 = 5;
+/// The full cycle of one CUDA process around a leave-running checkpoint.
+const FULL_CYCLE: [&str; 4] = [
+    "lock -> 0",
+    "checkpoint -> 0",
+    "restore -> 0",
+    "unlock -> 0",
+];
+
+/// A daemon whose shims use a fake libcuda. Fields drop in order: the daemon (and its shims)
+/// before the fake's files.
+struct Gpu {
+    ctd: Containerd,
+    image: String,
+    fake: FakeCuda,
+    _plugins: tempfile::TempDir,
+}
+
+/// Which CRIU plugins the daemon's shims see.
+#[derive(PartialEq)]
+enum Plugins {
+    /// An empty `CRIU_LIBS_DIR`: the shim quiesces.
+    None,
+    /// gpucr's plugin, installed under the name `gpucr_cuda_plugin.so`.
+    Gpucr,
+}
+
+fn plugin_dir(plugins: Plugins) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("gpucr-criu-libs-")
+        .tempdir()
+        .unwrap();
+    if plugins == Plugins::Gpucr {
+        let plugin = fake_cuda::criu_plugin().expect("gpucr's CRIU plugin");
+        std::fs::copy(&plugin, dir.path().join("gpucr_cuda_plugin.so")).unwrap();
+    }
+    dir
+}
+
+fn gpucr_under_test() -> bool {
+    let runtime = runtime_under_test();
+    if runtime != GPUCR_RUNTIME {
+        eprintln!("skipped: GPU paths are gpucr's, the runtime under test is {runtime}");
+        return false;
+    }
+    true
+}
+
+fn start(plugins: Plugins) -> Option<Gpu> {
+    if !gpucr_under_test() {
+        return None;
+    }
+    let fake = FakeCuda::new().expect("fake libcuda");
+    let plugins = plugin_dir(plugins);
+    let mut env = fake.env();
+    env.push((
+        "CRIU_LIBS_DIR".into(),
+        plugins.path().to_string_lossy().into_owned(),
+    ));
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let image = ctd.import_busybox().expect("busybox image");
+    Some(Gpu {
+        ctd,
+        image,
+        fake,
+        _plugins: plugins,
+    })
+}
+
+impl Gpu {
+    /// Runs the counter (with extra `ctr run` flags) and waits until it has counted a bit;
+    /// returns the task's init pid.
+    fn counter(&self, id: &str, flags: &[&str]) -> u32 {
+        self.ctd
+            .run_detached_with(id, &self.image, flags, &counter_args())
+            .expect("ctr run");
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        self.ctd.wait_counter_above(id, WARM_COUNT).unwrap();
+        self.ctd.task_pid(id).unwrap()
+    }
+
+    /// Declares `pids` CUDA processes, followed by `rules`.
+    fn script(&self, pids: &[u32], rules: &str) {
+        let mut s: String = pids.iter().map(|p| format!("cuda {p}\n")).collect();
+        s.push_str(rules);
+        self.fake.set_script(&s).unwrap();
+    }
+
+    /// After a failed checkpoint: the task runs (not paused), counts on, and the fake driver
+    /// has every process RUNNING.
+    fn assert_recovered(&self, id: &str, pids: &[u32]) {
+        assert_eq!(
+            self.ctd.task_status(id).unwrap().as_deref(),
+            Some("RUNNING"),
+            "task {id} after the failed checkpoint"
+        );
+        let now = self.ctd.read_counter(id).unwrap();
+        self.ctd
+            .wait_counter_above(id, now)
+            .expect("the workload counts on after the failed checkpoint");
+        let states = self.fake.states();
+        for pid in pids {
+            assert_eq!(
+                states.get(pid).copied().unwrap_or(RUNNING),
+                RUNNING,
+                "fake driver state of {pid}: {states:?}; calls {:#?}",
+                self.fake.calls()
+            );
+        }
+    }
+
+    /// A checkpoint that must fail; returns its error text.
+    fn failed_checkpoint(&self, id: &str) -> String {
+        let started = Instant::now();
+        match self.ctd.task_checkpoint(id, &[]) {
+            Ok(image) => panic!(
+                "checkpoint of {id} succeeded ({image:?}); fake calls {:#?}",
+                self.fake.calls()
+            ),
+            Err(e) => {
+                eprintln!("checkpoint failed after {:?}: {e}", started.elapsed());
+                e.to_string()
+            }
+        }
+    }
+
+    /// `exec -d` of `sleep <n>` in the container; returns its host pid.
+    fn exec_sleeper(&self, id: &str, n: u32) -> u32 {
+        let arg = n.to_string();
+        self.ctd
+            .ctr_ok(&[
+                "task",
+                "exec",
+                "-d",
+                "--exec-id",
+                "sleeper",
+                id,
+                "sleep",
+                &arg,
+            ])
+            .expect("exec sleeper");
+        gpucr_tests::poll_until("sleeper pid", Duration::from_secs(10), || {
+            Ok(procfs::processes()
+                .into_iter()
+                .find(|p| p.argv == ["sleep", arg.as_str()])
+                .map(|p| p.pid as u32)
+                .ok_or(()))
+        })
+        .unwrap()
+    }
+
+    /// The restored workload continues from the checkpoint and keeps counting.
+    fn assert_continues(&self, id: &str, before: u64, after: u64, restored_at: Instant) {
+        self.ctd
+            .wait_status(id, "RUNNING")
+            .expect("restored task runs");
+        let first = self.ctd.wait_counter_above(id, 0).unwrap();
+        let slack = restored_at.elapsed().as_millis() as u64 / 150 + 3;
+        assert!(
+            first >= before && first <= after + slack,
+            "restored counter of {id} is {first}; checkpointed between {before} and {after}"
+        );
+        self.ctd.wait_counter_above(id, first).unwrap();
+    }
+}
+
+/// Files of a `ctr task checkpoint` image's CRIU tar.
+fn stored_checkpoint_files(ctd: &Containerd, name: &str) -> BTreeMap<String, Vec<u8>> {
+    let index: Value =
+        serde_json::from_slice(&ctd.content(&ctd.image_digest(name).unwrap()).unwrap()).unwrap();
+    let digest = index["manifests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["mediaType"] == MEDIA_CRIU_TAR)
+        .and_then(|d| d["digest"].as_str())
+        .unwrap_or_else(|| panic!("{name} has no CRIU tar: {index}"));
+    let tar = ctd.content(digest).unwrap();
+    let mut files = BTreeMap::new();
+    for entry in tar::Archive::new(tar.as_slice()).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let path = entry.path().unwrap().to_string_lossy().into_owned();
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).unwrap();
+        files.insert(path.trim_start_matches("./").to_owned(), data);
+    }
+    files
+}
+
+fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+/// The (start, end) of the fake's call `line`.
+fn call_time(fake: &FakeCuda, line: &str) -> (u64, u64) {
+    fake.timed_calls()
+        .into_iter()
+        .find(|(_, _, l)| l == line)
+        .map(|(s, e, _)| (s, e))
+        .unwrap_or_else(|| panic!("no call {line:?} in {:#?}", fake.timed_calls()))
+}
+
+#[test]
+fn leave_running_checkpoint_quiesces_around_the_dump() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-run");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+
+    let stored = g
+        .ctd
+        .task_checkpoint(&id, &[])
+        .expect("ctr task checkpoint")
+        .expect("checkpoint image stored");
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    assert_eq!(
+        g.fake.called_pids(),
+        vec![pid],
+        "only the CUDA pid is touched"
+    );
+    assert_eq!(g.fake.states().get(&pid), Some(&RUNNING));
+
+    // Lock and checkpoint end before CRIU starts (dump.log is created), restore starts after
+    // it finished (dump.log's last write). File times come from the coarse clock (up to a
+    // few ms behind), hence the slack.
+    let dump_log = g.ctd.bundle(&id).join("criu-work/dump.log");
+    let md = std::fs::metadata(&dump_log).expect("CRIU's dump.log is kept");
+    let (dump_start, dump_end) = (
+        unix_ms(md.created().unwrap()),
+        unix_ms(md.modified().unwrap()),
+    );
+    let (_, checkpointed) = call_time(&g.fake, &format!("checkpoint {pid} -> 0"));
+    let (restore_start, _) = call_time(&g.fake, &format!("restore {pid} -> 0"));
+    assert!(
+        checkpointed <= dump_start + 10,
+        "GPU checkpoint ended at {checkpointed}, CRIU started at {dump_start}"
+    );
+    assert!(
+        restore_start + 10 >= dump_end,
+        "GPU restore started at {restore_start}, CRIU ended at {dump_end}"
+    );
+
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    let after = g.ctd.read_counter(&id).unwrap();
+    g.ctd.wait_counter_above(&id, after).unwrap();
+
+    let files = stored_checkpoint_files(&g.ctd, &stored);
+    let record: Value = serde_json::from_slice(
+        files
+            .get("gpucr-gpu.json")
+            .unwrap_or_else(|| panic!("no gpucr-gpu.json in {:?}", files.keys())),
+    )
+    .unwrap();
+    let pids: Vec<u64> = record["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|p| p["pid"].as_u64())
+        .collect();
+    assert_eq!(pids, vec![u64::from(pid)], "{record}");
+    let manifest: Value = serde_json::from_slice(
+        files
+            .get("gpucr-checkpoint.json")
+            .unwrap_or_else(|| panic!("no gpucr-checkpoint.json in {:?}", files.keys())),
+    )
+    .unwrap();
+    assert!(
+        manifest["files"].get("gpucr-gpu.json").is_some(),
+        "the manifest covers the GPU record: {manifest}"
+    );
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn restore_resumes_the_restored_cuda_processes() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-restore");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let before = g.ctd.read_counter(&id).unwrap();
+    let flags = CheckpointFlags {
+        exit: true,
+        ..Default::default()
+    };
+    let checkpoint = g
+        .ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint --exit");
+    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    assert_eq!(g.fake.calls_of(pid), ["lock -> 0", "checkpoint -> 0"]);
+    assert_eq!(g.fake.states().get(&pid), Some(&CHECKPOINTED));
+
+    // The restored tree has new pids, which the driver knows CHECKPOINTED.
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
+    g.ctd.remove_container(&id).unwrap();
+    let restored_at = Instant::now();
+    g.ctd
+        .restore_outcome(&id, &checkpoint, &g.image, &spec)
+        .expect("restore");
+    let new_pid = g.ctd.task_pid(&id).unwrap();
+    let restored: Vec<u32> = g
+        .fake
+        .called_pids()
+        .into_iter()
+        .filter(|p| *p != pid)
+        .collect();
+    assert!(
+        restored.contains(&new_pid),
+        "restored init {new_pid} was not resumed: {:#?}",
+        g.fake.log()
+    );
+    for p in &restored {
+        assert_eq!(
+            g.fake.calls_of(*p),
+            ["restore -> 0", "unlock -> 0"],
+            "pid {p}"
+        );
+        assert_eq!(g.fake.states().get(p), Some(&RUNNING), "pid {p}");
+    }
+    g.assert_continues(&id, before, before + 2, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn failed_gpu_restore_leaves_nothing_behind() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-restorefail");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let before = g.ctd.read_counter(&id).unwrap();
+    let dir = g.ctd.dir().join("restorefail-images");
+    let flags = CheckpointFlags {
+        exit: true,
+        image_path: Some(&dir),
+        ..Default::default()
+    };
+    g.ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint --exit");
+    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    g.ctd.remove_container(&id).unwrap();
+
+    // CRIU restores the tree, then the driver refuses to give the device memory back.
+    g.fake
+        .set_script("cuda * state=checkpointed\nrestore * fail 2\n")
+        .unwrap();
+    let err = g
+        .ctd
+        .restore_from_image_path(&id, &dir, &g.image, &spec)
+        .expect_err("restore whose GPU restore fails")
+        .to_string();
+    assert!(
+        err.contains("restore of device memory"),
+        "the error names the step: {err}"
+    );
+    // The restore failed in Start: containerd keeps the task CREATED (nothing runs) until its
+    // client deletes it, as with runc's shim.
+    let victims: Vec<u32> = g
+        .fake
+        .called_pids()
+        .into_iter()
+        .filter(|p| *p != pid)
+        .collect();
+    assert!(!victims.is_empty(), "{:#?}", g.fake.log());
+    for p in &victims {
+        gpucr_tests::poll_until("half-restored process dies", Duration::from_secs(5), || {
+            Ok(if procfs::is_alive(*p as i32) {
+                Err(p)
+            } else {
+                Ok(())
+            })
+        })
+        .unwrap();
+    }
+    assert_ne!(g.ctd.task_status(&id).unwrap().as_deref(), Some("RUNNING"));
+    assert!(!runc_knows(&g.ctd, &id), "runc still knows {id}");
+    let _ = g.ctd.ctr(&["task", "rm", "-f", &id]);
+    assert_nothing_left(&g.ctd, &id);
+
+    // The same image restores once the driver cooperates.
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
+    let restored_at = Instant::now();
+    g.ctd
+        .restore_from_image_path(&id, &dir, &g.image, &spec)
+        .expect("restore");
+    g.assert_continues(&id, before, before + 2, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn checkpoint_of_a_paused_task_quiesces_and_stays_paused() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-paused");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    g.ctd.ctr_ok(&["task", "pause", &id]).unwrap();
+    g.ctd.wait_status(&id, "PAUSED").unwrap();
+    g.ctd
+        .task_checkpoint(&id, &[])
+        .expect("checkpoint of a paused task")
+        .expect("checkpoint image stored");
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    assert_eq!(g.fake.states().get(&pid), Some(&RUNNING));
+    assert_eq!(
+        g.ctd.task_status(&id).unwrap().as_deref(),
+        Some("PAUSED"),
+        "a paused task stays paused"
+    );
+    g.ctd.ctr_ok(&["task", "resume", &id]).unwrap();
+    let now = g.ctd.read_counter(&id).unwrap();
+    g.ctd.wait_counter_above(&id, now).unwrap();
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn lock_failure_fails_the_checkpoint_and_the_task_runs_on() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-lockfail");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], &format!("lock {pid} fail 2\n"));
+    let err = g.failed_checkpoint(&id);
+    assert!(err.contains("lock"), "the error names the step: {err}");
+    assert_eq!(g.fake.calls_of(pid), ["lock -> 2"]);
+    g.assert_recovered(&id, &[pid]);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn lock_timeout_from_the_annotation_fails_the_checkpoint() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-locktimeout");
+    let pid = g.counter(&id, &["--annotation", "io.gpucr.gpu-lock-timeout-ms=1000"]);
+    // The lock would take 20 s; the driver gives up after the annotation's 1 s.
+    g.script(&[pid], &format!("lock {pid} hang 20000\n"));
+    let started = Instant::now();
+    let err = g.failed_checkpoint(&id);
+    let took = started.elapsed();
+    assert!(err.contains("lock"), "the error names the step: {err}");
+    assert!(
+        took < Duration::from_secs(8),
+        "the 1 s lock timeout was not applied: the checkpoint took {took:?}"
+    );
+    assert_eq!(g.fake.calls_of(pid), ["lock -> 600"]);
+    g.assert_recovered(&id, &[pid]);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn checkpoint_failure_of_one_process_rolls_both_back() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-ckptfail");
+    let pid = g.counter(&id, &[]);
+    let sleeper = g.exec_sleeper(&id, 86_401);
+    g.script(&[pid, sleeper], &format!("checkpoint {sleeper} fail 999\n"));
+    let err = g.failed_checkpoint(&id);
+    assert!(
+        err.contains("checkpoint: "),
+        "the error names the step: {err}"
+    );
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    assert_eq!(
+        g.fake.calls_of(sleeper),
+        ["lock -> 0", "checkpoint -> 999", "unlock -> 0"]
+    );
+    g.assert_recovered(&id, &[pid, sleeper]);
+    assert!(
+        procfs::is_alive(sleeper as i32),
+        "the second process runs on"
+    );
+    g.ctd.remove_container(&id).unwrap();
+}
+
+/// A tiny tmpfs (two pages) at a fresh directory under the daemon's, unmounted on drop: room
+/// for runc's descriptors.json, not for CRIU's images.
+struct TinyTmpfs(PathBuf);
+
+impl TinyTmpfs {
+    fn new(path: PathBuf) -> TinyTmpfs {
+        std::fs::create_dir_all(&path).unwrap();
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=8k", "gpucr-tiny"])
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mounting a tmpfs on {}", path.display());
+        TinyTmpfs(path)
+    }
+}
+
+impl Drop for TinyTmpfs {
+    fn drop(&mut self) {
+        procfs::unmount_under(&self.0);
+    }
+}
+
+#[test]
+fn failed_dump_after_gpu_checkpoint_resumes_the_gpu() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-dumpfail");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    // CRIU runs out of space for its images: the dump fails after the shim locked and
+    // checkpointed the GPU.
+    let images = TinyTmpfs::new(g.ctd.dir().join("tiny-images"));
+    let work = g.ctd.dir().join("dump-work");
+    let flags = CheckpointFlags {
+        image_path: Some(&images.0),
+        work_path: Some(&work),
+        ..Default::default()
+    };
+    let err = match g.ctd.checkpoint_with_flags(&id, &flags) {
+        Ok(o) => panic!("a dump into a read-only directory succeeded: {o:?}"),
+        Err(e) => e.to_string(),
+    };
+    eprintln!("{err}");
+    assert!(
+        err.contains("runc checkpoint"),
+        "the error names the step: {err}"
+    );
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    g.assert_recovered(&id, &[pid]);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn failed_manifest_after_the_dump_resumes_the_gpu() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-manifest");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    // The dump and the GPU record succeed; the manifest cannot be written (a directory holds
+    // its name). The task lives on (leave-running), so its GPU must too.
+    let images = g.ctd.dir().join("manifest-images");
+    std::fs::create_dir_all(images.join("gpucr-checkpoint.json")).unwrap();
+    let flags = CheckpointFlags {
+        image_path: Some(&images),
+        ..Default::default()
+    };
+    let err = match g.ctd.checkpoint_with_flags(&id, &flags) {
+        Ok(o) => panic!("a checkpoint without its manifest succeeded: {o:?}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("gpucr-checkpoint.json"),
+        "the error names the manifest: {err}"
+    );
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    g.assert_recovered(&id, &[pid]);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+fn fnv1a64(data: &[u8]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Rewrites `name` in image `dir` and its manifest entry, as if the checkpoint wrote it so.
+fn rewrite_with_manifest(dir: &Path, name: &str, data: &[u8]) {
+    std::fs::write(dir.join(name), data).unwrap();
+    let path = dir.join("gpucr-checkpoint.json");
+    let mut manifest: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    manifest["files"][name] = serde_json::json!({ "size": data.len(), "fnv1a64": fnv1a64(data) });
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+}
+
+/// True while runc has state for container `id` (the shim's default runc root).
+fn runc_knows(ctd: &Containerd, id: &str) -> bool {
+    Path::new("/run/containerd/runc")
+        .join(ctd.namespace())
+        .join(id)
+        .exists()
+}
+
+/// A refused restore left no task, no shim and no runc container behind.
+fn assert_nothing_left(ctd: &Containerd, id: &str) {
+    assert_eq!(ctd.task_status(id).unwrap(), None, "no task {id}");
+    let address = ctd.address().to_string_lossy().into_owned();
+    gpucr_tests::poll_until("shim exits", Duration::from_secs(10), || {
+        Ok(match procfs::shim_pid(&address, id) {
+            None => Ok(()),
+            Some(p) => Err(p),
+        })
+    })
+    .unwrap();
+    assert!(!runc_knows(ctd, id), "runc still knows {id}");
+    // ctr created the container record before the task; drop it for the next attempt.
+    let _ = ctd.ctr(&["container", "rm", id]);
+}
+
+#[test]
+fn restore_is_refused_for_other_gpus_and_damaged_images() {
+    let Some(g) = start(Plugins::None) else {
+        return;
+    };
+    let id = unique_id("gpu-refuse");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let before = g.ctd.read_counter(&id).unwrap();
+    let dir = g.ctd.dir().join("refuse-images");
+    let flags = CheckpointFlags {
+        exit: true,
+        image_path: Some(&dir),
+        ..Default::default()
+    };
+    g.ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint");
+    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    g.ctd.remove_container(&id).unwrap();
+
+    // The checkpoint "ran" on an H200; this host has no NVIDIA GPU.
+    let record_bytes = std::fs::read(dir.join("gpucr-gpu.json")).unwrap();
+    let mut record: Value = serde_json::from_slice(&record_bytes).unwrap();
+    record["inventory"] = serde_json::json!({
+        "driver_version": "580.65.06",
+        "source": "nvml",
+        "gpus": [{
+            "index": 0,
+            "model": "NVIDIA H200",
+            "uuid": "GPU-00000000-1111-2222-3333-444444444444",
+            "bus_id": null,
+            "memory_total_bytes": null,
+            "memory_free_bytes": null
+        }]
+    });
+    rewrite_with_manifest(
+        &dir,
+        "gpucr-gpu.json",
+        &serde_json::to_vec(&record).unwrap(),
+    );
+    let err = g
+        .ctd
+        .restore_from_image_path(&id, &dir, &g.image, &spec)
+        .expect_err("restore onto a host without the recorded GPU");
+    let err = err.to_string();
+    assert!(
+        err.contains("cannot restore the GPU checkpoint") && err.contains("no NVIDIA GPU"),
+        "the refusal names the difference: {err}"
+    );
+    assert_nothing_left(&g.ctd, &id);
+    rewrite_with_manifest(&dir, "gpucr-gpu.json", &record_bytes);
+
+    // A truncated memory image.
+    let pages = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("pages-")
+        })
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .expect("a pages image");
+    let pages_bytes = std::fs::read(&pages).unwrap();
+    std::fs::write(&pages, &pages_bytes[..pages_bytes.len() / 2]).unwrap();
+    let err = g
+        .ctd
+        .restore_from_image_path(&id, &dir, &g.image, &spec)
+        .expect_err("restore of a truncated image");
+    let err = err.to_string();
+    let name = pages.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        err.contains(&name) && err.contains("truncated"),
+        "the refusal names the damage: {err}"
+    );
+    assert_nothing_left(&g.ctd, &id);
+
+    // Nothing was left half-created: the intact image restores under the same id.
+    std::fs::write(&pages, &pages_bytes).unwrap();
+    let restored_at = Instant::now();
+    g.ctd
+        .restore_from_image_path(&id, &dir, &g.image, &spec)
+        .expect("restore of the intact image");
+    g.assert_continues(&id, before, before + 2, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+/// CRIU's log of the task's last checkpoint or restore, in its bundle.
+fn criu_log(ctd: &Containerd, id: &str, name: &str) -> String {
+    std::fs::read_to_string(ctd.bundle(id).join("criu-work").join(name)).unwrap_or_default()
+}
+
+#[test]
+fn criu_plugin_quiesces_and_the_shim_does_not() {
+    let Some(g) = start(Plugins::Gpucr) else {
+        return;
+    };
+    let id = unique_id("gpu-plugin");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let spec = g.ctd.container_spec(&id).unwrap();
+
+    // Leave running: CRIU's plugin locks and checkpoints in the dump, and puts the process
+    // back at its end; each call exactly once (the shim stays out).
+    g.ctd
+        .task_checkpoint(&id, &[])
+        .expect("ctr task checkpoint")
+        .expect("checkpoint image stored");
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    let dump = criu_log(&g.ctd, &id, "dump.log");
+    assert!(
+        dump.contains(&format!("locking CUDA process {pid}")),
+        "the plugin locked {pid} inside CRIU: {dump}"
+    );
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    let before = g.ctd.read_counter(&id).unwrap();
+    g.ctd.wait_counter_above(&id, before).unwrap();
+
+    // Exit, then restore: the plugin resumes the new pids, once each.
+    let before = g.ctd.read_counter(&id).unwrap();
+    let flags = CheckpointFlags {
+        exit: true,
+        ..Default::default()
+    };
+    let checkpoint = g
+        .ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint --exit");
+    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    let mut cycle_then_dump = FULL_CYCLE.to_vec();
+    cycle_then_dump.extend(["lock -> 0", "checkpoint -> 0"]);
+    assert_eq!(g.fake.calls_of(pid), cycle_then_dump, "{:#?}", g.fake.log());
+
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
+    g.ctd.remove_container(&id).unwrap();
+    let restored_at = Instant::now();
+    g.ctd
+        .restore_outcome(&id, &checkpoint, &g.image, &spec)
+        .expect("restore");
+    let new_pid = g.ctd.task_pid(&id).unwrap();
+    let restored: Vec<u32> = g
+        .fake
+        .called_pids()
+        .into_iter()
+        .filter(|p| *p != pid)
+        .collect();
+    assert!(restored.contains(&new_pid), "{:#?}", g.fake.log());
+    for p in &restored {
+        assert_eq!(
+            g.fake.calls_of(*p),
+            ["restore -> 0", "unlock -> 0"],
+            "pid {p}"
+        );
+        assert_eq!(g.fake.states().get(p), Some(&RUNNING), "pid {p}");
+    }
+    let restore = criu_log(&g.ctd, &id, "restore.log");
+    assert!(
+        restore.contains(&format!("resuming CUDA process {new_pid}")),
+        "the plugin resumed {new_pid} inside CRIU: {restore}"
+    );
+    g.assert_continues(&id, before, before + 2, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn criu_plugin_without_a_driver_changes_nothing() {
+    if !gpucr_under_test() {
+        return;
+    }
+    let plugins = plugin_dir(Plugins::Gpucr);
+    let env = [
+        ("GPUCR_LIBCUDA", "/nonexistent/libcuda.so.1".to_owned()),
+        (
+            "CRIU_LIBS_DIR",
+            plugins.path().to_string_lossy().into_owned(),
+        ),
+    ];
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let image = ctd.import_busybox().unwrap();
+    let id = unique_id("cpu-plugin");
+    ctd.run_counter(&id, &image).unwrap();
+    let before = ctd.wait_counter_above(&id, WARM_COUNT).unwrap();
+    let checkpoint = ctd
+        .task_checkpoint(&id, &[])
+        .expect("checkpoint with the plugin loaded")
+        .expect("checkpoint image stored");
+    let dump = criu_log(&ctd, &id, "dump.log");
+    assert!(
+        dump.contains("Plugin \"cuda_plugin\"") && dump.contains("no CUDA driver: inactive"),
+        "CRIU loaded the plugin, which found no driver: {dump}"
+    );
+    ctd.wait_status(&id, "RUNNING").unwrap();
+    let after = ctd.read_counter(&id).unwrap();
+    ctd.wait_counter_above(&id, after).unwrap();
+
+    ctd.remove_container(&id).unwrap();
+    let restored_at = Instant::now();
+    ctd.restore_task_checkpoint(&id, &checkpoint, true)
+        .expect("restore with the plugin loaded");
+    let restore = criu_log(&ctd, &id, "restore.log");
+    assert!(
+        restore.contains("Plugin \"cuda_plugin\""),
+        "CRIU loaded the plugin for the restore: {restore}"
+    );
+    ctd.wait_status(&id, "RUNNING").unwrap();
+    let first = ctd.wait_counter_above(&id, 0).unwrap();
+    let slack = restored_at.elapsed().as_millis() as u64 / 150 + 3;
+    assert!(
+        first >= before && first <= after + slack,
+        "restored counter {first}; checkpointed between {before} and {after}"
+    );
+    ctd.wait_counter_above(&id, first).unwrap();
+    ctd.remove_container(&id).unwrap();
+    drop(ctd);
+    drop(plugins);
+}
