@@ -1,0 +1,318 @@
+//! [`ImageReader`]: opens and validates an image with its parent chain, and reads
+//! allocations back, checking every chunk's CRC32C.
+
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Mutex;
+
+use super::error::{ChunkPlace, ImageError};
+use super::layer::{chain_hashes, open_chain, Layer};
+use super::manifest::{Allocation, Codec, ContentHash, ImageId, Location, Manifest};
+use super::summary::Summary;
+use super::AllocId;
+
+/// An open, validated image. Reads take `&self` and may run on several threads.
+pub struct ImageReader {
+    /// `layers[0]` is this image, then its parent, grandparent, …
+    layers: Vec<Layer>,
+}
+
+impl ImageReader {
+    /// Opens `dir` and its parent chain (at the recorded paths) and validates every
+    /// manifest, data file size and parent link. Chunk data is checked as it is read
+    /// (or by [`verify`](Self::verify)).
+    pub fn open(dir: &Path) -> Result<ImageReader, ImageError> {
+        Ok(ImageReader {
+            layers: open_chain(dir, None)?,
+        })
+    }
+
+    /// Like [`open`](Self::open), with the parent image at `parent` instead of the
+    /// recorded path (its id and manifest checksum must still match).
+    pub fn open_with_parent(dir: &Path, parent: &Path) -> Result<ImageReader, ImageError> {
+        Ok(ImageReader {
+            layers: open_chain(dir, Some(parent))?,
+        })
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.layers[0].manifest
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.layers[0].dir
+    }
+
+    /// BLAKE3 of this image's `manifest.json` (what a child image records).
+    pub fn manifest_hash(&self) -> ContentHash {
+        self.layers[0].manifest_hash
+    }
+
+    /// This image and its ancestors: directory and id, nearest first.
+    pub fn chain(&self) -> Vec<(&Path, ImageId)> {
+        self.layers
+            .iter()
+            .map(|l| (l.dir.as_path(), l.manifest.id))
+            .collect()
+    }
+
+    pub fn allocations(&self) -> &[Allocation] {
+        &self.manifest().allocations
+    }
+
+    /// The allocation at device address `va` with this `pid` tag.
+    pub fn find(&self, va: u64, pid: Option<u32>) -> Option<AllocId> {
+        self.allocations()
+            .iter()
+            .position(|a| a.va == va && a.tags.pid == pid)
+            .map(AllocId)
+    }
+
+    /// A `Read` over the allocation's bytes; holds one chunk in memory. Errors are
+    /// `io::Error`s wrapping an [`ImageError`] (`err.get_ref()` and downcast).
+    pub fn read_allocation(&self, id: AllocId) -> Result<AllocationReader<'_>, ImageError> {
+        self.alloc(id)?;
+        Ok(AllocationReader {
+            image: self,
+            alloc: id.0,
+            next_chunk: 0,
+            chunk: Vec::new(),
+            pos: 0,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Reads chunk `index` of allocation `id` into `buf` (at least the chunk's length);
+    /// returns the chunk's length.
+    pub fn read_chunk_into(
+        &self,
+        id: AllocId,
+        index: usize,
+        buf: &mut [u8],
+    ) -> Result<usize, ImageError> {
+        let alloc = self.alloc(id)?;
+        let chunk = alloc.chunks.get(index).ok_or_else(|| {
+            ImageError::Usage(format!("allocation {:#x} has no chunk {index}", alloc.va))
+        })?;
+        let len = chunk.len as usize;
+        if buf.len() < len {
+            return Err(ImageError::Usage(format!(
+                "buffer of {} bytes for a {len}-byte chunk",
+                buf.len()
+            )));
+        }
+        self.load_chunk(id.0, index, &mut buf[..len], &mut Vec::new())?;
+        Ok(len)
+    }
+
+    /// Reads the whole allocation into `buf` (exactly its size) with `threads` threads.
+    pub fn read_allocation_into(
+        &self,
+        id: AllocId,
+        buf: &mut [u8],
+        threads: usize,
+    ) -> Result<(), ImageError> {
+        let alloc = self.alloc(id)?;
+        if buf.len() as u64 != alloc.size {
+            return Err(ImageError::Usage(format!(
+                "buffer of {} bytes for allocation {:#x} of {} bytes",
+                buf.len(),
+                alloc.va,
+                alloc.size
+            )));
+        }
+        let chunk_size = self.manifest().chunk_size as usize;
+        let work = Mutex::new(buf.chunks_mut(chunk_size.max(1)).enumerate());
+        self.parallel(threads, |scratch| loop {
+            let next = work
+                .lock()
+                .map_err(|_| ImageError::Worker("poisoned".into()))?
+                .next();
+            let Some((index, out)) = next else {
+                return Ok(());
+            };
+            self.load_chunk(id.0, index, out, scratch)?;
+        })
+    }
+
+    /// Reads every chunk of every allocation and checks its CRC32C; returns the summary.
+    pub fn verify(&self, threads: usize) -> Result<Summary, ImageError> {
+        let work = Mutex::new(
+            self.allocations()
+                .iter()
+                .enumerate()
+                .flat_map(|(a, alloc)| (0..alloc.chunks.len()).map(move |i| (a, i))),
+        );
+        let chunk_size = self.manifest().chunk_size as usize;
+        self.parallel(threads, |scratch| {
+            let mut out = vec![0u8; chunk_size];
+            loop {
+                let next = work
+                    .lock()
+                    .map_err(|_| ImageError::Worker("poisoned".into()))?
+                    .next();
+                let Some((a, index)) = next else {
+                    return Ok(());
+                };
+                let len = self.allocations()[a].chunks[index].len as usize;
+                self.load_chunk(a, index, &mut out[..len], scratch)?;
+            }
+        })?;
+        Ok(self.inspect())
+    }
+
+    /// Sizes and savings, from the manifest alone.
+    pub fn inspect(&self) -> Summary {
+        Summary::of(self.manifest(), self.layers.len() - 1)
+    }
+
+    /// Every hash the chain stores, with the image that stores it (for delta writers).
+    pub(crate) fn stored_hashes(&self) -> HashMap<ContentHash, ImageId> {
+        chain_hashes(&self.layers)
+    }
+
+    fn alloc(&self, id: AllocId) -> Result<&Allocation, ImageError> {
+        self.allocations().get(id.0).ok_or_else(|| {
+            ImageError::Usage(format!(
+                "no allocation {} in {}",
+                id.0,
+                self.dir().display()
+            ))
+        })
+    }
+
+    fn parallel<F>(&self, threads: usize, work: F) -> Result<(), ImageError>
+    where
+        F: Fn(&mut Vec<u8>) -> Result<(), ImageError> + Sync,
+    {
+        let threads = threads.max(1);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| scope.spawn(|| work(&mut Vec::new())))
+                .collect();
+            let mut first = Ok(());
+            for handle in handles {
+                let result = handle
+                    .join()
+                    .unwrap_or_else(|_| Err(ImageError::Worker("a reader thread panicked".into())));
+                if first.is_ok() {
+                    first = result;
+                }
+            }
+            first
+        })
+    }
+
+    /// Decodes chunk `index` of allocation `a` into `out` (exactly its length).
+    fn load_chunk(
+        &self,
+        a: usize,
+        index: usize,
+        out: &mut [u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), ImageError> {
+        let alloc = &self.allocations()[a];
+        let chunk = &alloc.chunks[index];
+        let (layer, location) = match (chunk.at, chunk.blake3) {
+            (Location::Zero, _) => {
+                out.fill(0);
+                return Ok(());
+            }
+            (Location::Parent { image }, Some(hash)) => {
+                let layer = self.layers.iter().find(|l| l.manifest.id == image);
+                let stored = layer.and_then(|l| l.by_hash.get(&hash).map(|s| (l, s.location)));
+                stored.ok_or_else(|| ImageError::Worker("parent reference not resolved".into()))?
+            }
+            (location, _) => (&self.layers[0], location),
+        };
+        let Location::Data {
+            file,
+            offset,
+            stored_len,
+            codec,
+        } = location
+        else {
+            return Err(ImageError::Worker("chunk location is not data".into()));
+        };
+        let file_name = &layer.manifest.files[file as usize].name;
+        let corrupt = |reason: String| ImageError::CorruptChunk {
+            image: self.dir().to_path_buf(),
+            place: ChunkPlace {
+                va: alloc.va,
+                pid: alloc.tags.pid,
+                offset: chunk.offset,
+                file: layer.dir.join(file_name),
+                file_offset: offset,
+            },
+            reason,
+        };
+        let read_error = |e: io::Error| match e.kind() {
+            io::ErrorKind::UnexpectedEof => {
+                corrupt("the data file ends before the chunk (truncated)".into())
+            }
+            _ => ImageError::io(layer.dir.join(file_name), e),
+        };
+        let data = &layer.files[file as usize];
+        match codec {
+            Codec::Raw => data.read_exact_at(out, offset).map_err(read_error)?,
+            Codec::Zstd => {
+                scratch.resize(stored_len as usize, 0);
+                data.read_exact_at(scratch, offset).map_err(read_error)?;
+                let n = zstd::bulk::decompress_to_buffer(scratch, out)
+                    .map_err(|e| corrupt(format!("zstd frame does not decode: {e}")))?;
+                if n != out.len() {
+                    return Err(corrupt(format!(
+                        "decoded {n} bytes, expected {}",
+                        out.len()
+                    )));
+                }
+            }
+        }
+        let crc = crc32c::crc32c(out);
+        match chunk.crc32c {
+            Some(expected) if expected == crc => Ok(()),
+            expected => Err(corrupt(format!(
+                "CRC32C mismatch (manifest {:#010x}, data {crc:#010x})",
+                expected.unwrap_or_default()
+            ))),
+        }
+    }
+}
+
+/// Streams one allocation, one verified chunk at a time.
+pub struct AllocationReader<'r> {
+    image: &'r ImageReader,
+    alloc: usize,
+    next_chunk: usize,
+    chunk: Vec<u8>,
+    pos: usize,
+    scratch: Vec<u8>,
+}
+
+impl Read for AllocationReader<'_> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if self.pos == self.chunk.len() {
+            let chunks = &self.image.allocations()[self.alloc].chunks;
+            let Some(chunk) = chunks.get(self.next_chunk) else {
+                return Ok(0);
+            };
+            self.chunk.resize(chunk.len as usize, 0);
+            self.image
+                .load_chunk(
+                    self.alloc,
+                    self.next_chunk,
+                    &mut self.chunk,
+                    &mut self.scratch,
+                )
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+            self.next_chunk += 1;
+            self.pos = 0;
+        }
+        let n = out.len().min(self.chunk.len() - self.pos);
+        out[..n].copy_from_slice(&self.chunk[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}

@@ -1,0 +1,452 @@
+//! [`ImageWriter`]: streams allocations into a new image, atomically published by
+//! [`ImageWriter::finish`]. Dropping a writer without `finish` leaves nothing behind.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use super::atomic::{create_temp_dir, fsync_path, publish, random_id, remove_stale_temps};
+use super::error::ImageError;
+use super::manifest::{
+    Allocation, AllocationTags, Chunk, ContentHash, DataFile, ImageId, Location, Manifest,
+    ParentRef, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MANIFEST_SUM_FILE,
+};
+use super::pipeline::{Done, Job, Pipeline, Placed};
+use super::reader::ImageReader;
+use super::{AllocId, ImageOptions};
+
+/// How many staging buffers the writer used: the observable memory bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterStats {
+    /// The configured limit ([`ImageOptions::max_in_flight`]).
+    pub max_in_flight: usize,
+    /// Most staging buffers handed out at one time.
+    pub peak_in_flight: usize,
+    /// Staging buffers alive now (each `chunk_size` bytes).
+    pub buffers_allocated: usize,
+}
+
+struct AllocState {
+    va: u64,
+    size: u64,
+    tags: AllocationTags,
+    submitted: Vec<bool>,
+    done: Vec<Option<Done>>,
+}
+
+/// Writes one GPU state image. See the module docs for the protocol.
+pub struct ImageWriter {
+    target: PathBuf,
+    temp: PathBuf,
+    opts: ImageOptions,
+    id: ImageId,
+    parent: Option<ParentRef>,
+    allocations: Vec<AllocState>,
+    /// `(pid, va)` → end, to refuse overlapping allocations.
+    ranges: BTreeMap<(Option<u32>, u64), u64>,
+    pipeline: Option<Pipeline>,
+}
+
+impl ImageWriter {
+    /// Starts an image that will appear at `dir` when finished. `dir` must not exist;
+    /// with `parent`, chunks the parent chain already stores are referenced, not stored.
+    pub fn create(
+        dir: &Path,
+        parent: Option<&Path>,
+        opts: ImageOptions,
+    ) -> Result<ImageWriter, ImageError> {
+        opts.check()?;
+        if dir.exists() {
+            return Err(ImageError::AlreadyExists {
+                path: dir.to_path_buf(),
+            });
+        }
+        remove_stale_temps(dir)?;
+        let (parent_ref, parent_hashes) = match parent {
+            Some(parent_dir) => {
+                let chain = ImageReader::open(parent_dir)?;
+                let parent_ref = ParentRef {
+                    id: chain.manifest().id,
+                    manifest_blake3: chain.manifest_hash(),
+                    path: parent_path_from(dir, parent_dir),
+                };
+                (Some(parent_ref), chain.stored_hashes())
+            }
+            None => (None, HashMap::new()),
+        };
+        let temp = create_temp_dir(dir)?;
+        let pipeline = Pipeline::start(
+            &temp,
+            opts.threads,
+            opts.max_in_flight,
+            opts.chunk_size,
+            opts.compression,
+            parent_hashes,
+        )
+        .map_err(|e| ImageError::io(&temp, e));
+        let pipeline = match pipeline {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&temp);
+                return Err(e);
+            }
+        };
+        tracing::debug!(dir = %dir.display(), temp = %temp.display(), "GPU state image write started");
+        Ok(ImageWriter {
+            target: dir.to_path_buf(),
+            temp,
+            opts,
+            id: random_id(),
+            parent: parent_ref,
+            allocations: Vec::new(),
+            ranges: BTreeMap::new(),
+            pipeline: Some(pipeline),
+        })
+    }
+
+    /// Declares an allocation of `size` bytes at device address `va`. Allocations
+    /// with the same `pid` tag must not overlap.
+    pub fn begin_allocation(
+        &mut self,
+        va: u64,
+        size: u64,
+        tags: AllocationTags,
+    ) -> Result<AllocId, ImageError> {
+        let end = va
+            .checked_add(size)
+            .ok_or_else(|| ImageError::Usage(format!("allocation {va:#x} + {size} overflows")))?;
+        let key = (tags.pid, va);
+        let before = self.ranges.range(..=key).next_back();
+        let after = self.ranges.range(key..).next();
+        let clash = before.is_some_and(|(k, e)| k.0 == tags.pid && (k.1 == va || *e > va))
+            || after.is_some_and(|(k, _)| k.0 == tags.pid && (k.1 == va || k.1 < end));
+        if clash {
+            return Err(ImageError::Usage(format!(
+                "allocation {va:#x} ({size} bytes, pid {:?}) overlaps one already written",
+                tags.pid
+            )));
+        }
+        self.ranges.insert(key, end);
+        let chunks = size.div_ceil(self.opts.chunk_size as u64) as usize;
+        self.allocations.push(AllocState {
+            va,
+            size,
+            tags,
+            submitted: vec![false; chunks],
+            done: (0..chunks).map(|_| None).collect(),
+        });
+        Ok(AllocId(self.allocations.len() - 1))
+    }
+
+    /// Writes the chunk at `offset` (a multiple of the chunk size) of `alloc`; `data`
+    /// is the whole chunk (shorter only for an allocation's last chunk).
+    pub fn write_chunk(
+        &mut self,
+        alloc: AllocId,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), ImageError> {
+        let (_, len) = self.slot(alloc, offset)?;
+        if data.len() != len {
+            return Err(ImageError::Usage(format!(
+                "chunk at {offset:#x} must be {len} bytes, got {}",
+                data.len()
+            )));
+        }
+        self.write_chunk_with(alloc, offset, |buf| {
+            buf.copy_from_slice(data);
+            Ok(())
+        })
+    }
+
+    /// Like [`write_chunk`](Self::write_chunk), but `fill` writes the chunk straight into
+    /// a staging buffer (e.g. a device-to-host copy), avoiding one copy.
+    pub fn write_chunk_with<F>(
+        &mut self,
+        alloc: AllocId,
+        offset: u64,
+        fill: F,
+    ) -> Result<(), ImageError>
+    where
+        F: FnOnce(&mut [u8]) -> std::io::Result<()>,
+    {
+        let (index, len) = self.slot(alloc, offset)?;
+        let mut buf = self.acquire()?;
+        if let Err(e) = fill(&mut buf[..len]) {
+            self.pipeline_mut().release(buf);
+            return Err(ImageError::io(&self.target, e));
+        }
+        self.submit(alloc, index, buf, len)
+    }
+
+    /// Hands a filled staging buffer to the workers.
+    pub(crate) fn submit(
+        &mut self,
+        alloc: AllocId,
+        index: usize,
+        buf: Vec<u8>,
+        len: usize,
+    ) -> Result<(), ImageError> {
+        self.allocations[alloc.0].submitted[index] = true;
+        let job = Job {
+            alloc: alloc.0,
+            index,
+            buf,
+            len,
+        };
+        self.pipeline_mut()
+            .submit(job)
+            .map_err(ImageError::Worker)?;
+        self.collect();
+        Ok(())
+    }
+
+    /// A [`std::io::Write`] sink that writes `alloc` from offset 0 in order.
+    pub fn allocation_writer(
+        &mut self,
+        alloc: AllocId,
+    ) -> Result<super::sink::AllocationSink<'_>, ImageError> {
+        self.slot(alloc, 0)
+            .or_else(|e| match self.allocations.get(alloc.0) {
+                Some(state) if state.size == 0 => Ok((0, 0)),
+                _ => Err(e),
+            })?;
+        Ok(super::sink::AllocationSink::new(self, alloc))
+    }
+
+    /// Staging buffer use so far.
+    pub fn stats(&self) -> WriterStats {
+        let pipeline = self.pipeline.as_ref();
+        WriterStats {
+            max_in_flight: self.opts.max_in_flight,
+            peak_in_flight: pipeline.map_or(0, Pipeline::peak_in_flight),
+            buffers_allocated: pipeline.map_or(0, Pipeline::buffers_allocated),
+        }
+    }
+
+    /// The chunk size in use.
+    pub fn chunk_size(&self) -> usize {
+        self.opts.chunk_size
+    }
+
+    /// Waits for all chunks, writes the manifest, fsyncs and publishes the image.
+    pub fn finish(mut self) -> Result<Manifest, ImageError> {
+        for state in &self.allocations {
+            if let Some(i) = state.submitted.iter().position(|s| !s) {
+                return Err(ImageError::MissingChunks {
+                    image: self.target.clone(),
+                    va: state.va,
+                    offset: i as u64 * self.opts.chunk_size as u64,
+                });
+            }
+        }
+        let pipeline = self.pipeline.take().expect("pipeline present until finish");
+        let finished = pipeline.finish().map_err(ImageError::Worker)?;
+        for done in finished.done {
+            self.record(done);
+        }
+        let mut manifest = self.build_manifest(&finished.files, &finished.stored)?;
+        self.drop_empty_files(&mut manifest)?;
+        manifest
+            .validate()
+            .map_err(|reason| ImageError::Worker(format!("built an invalid manifest: {reason}")))?;
+        let bytes = manifest.to_json();
+        let sum = format!("{}\n", ContentHash::of(&bytes).to_hex());
+        for (name, content) in [
+            (MANIFEST_FILE, bytes.as_slice()),
+            (MANIFEST_SUM_FILE, sum.as_bytes()),
+        ] {
+            let path = self.temp.join(name);
+            std::fs::write(&path, content).map_err(|e| ImageError::io(&path, e))?;
+            fsync_path(&path)?;
+        }
+        publish(&self.temp, &self.target)?;
+        tracing::info!(dir = %self.target.display(), id = %manifest.id, "GPU state image written");
+        Ok(manifest)
+    }
+
+    /// Removes data files no chunk went to (a worker that stored nothing) and numbers
+    /// the rest `data-000.bin`, `data-001.bin`, … without gaps.
+    fn drop_empty_files(&self, manifest: &mut Manifest) -> Result<(), ImageError> {
+        let mut new_index = Vec::with_capacity(manifest.files.len());
+        let mut kept = Vec::new();
+        for file in std::mem::take(&mut manifest.files) {
+            let path = self.temp.join(&file.name);
+            if file.size == 0 {
+                std::fs::remove_file(&path).map_err(|e| ImageError::io(&path, e))?;
+                new_index.push(None);
+                continue;
+            }
+            let name = format!("data-{:03}.bin", kept.len());
+            if name != file.name {
+                let to = self.temp.join(&name);
+                std::fs::rename(&path, &to).map_err(|e| ImageError::io(&to, e))?;
+            }
+            new_index.push(Some(kept.len() as u32));
+            kept.push(DataFile {
+                name,
+                size: file.size,
+            });
+        }
+        manifest.files = kept;
+        for alloc in &mut manifest.allocations {
+            for chunk in &mut alloc.chunks {
+                if let Location::Data { file, .. } = &mut chunk.at {
+                    *file = new_index[*file as usize].expect("a file a chunk is in is not empty");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn build_manifest(
+        &mut self,
+        files: &[DataFile],
+        stored: &HashMap<ContentHash, Option<Location>>,
+    ) -> Result<Manifest, ImageError> {
+        let chunk_size = self.opts.chunk_size as u64;
+        let mut allocations = Vec::with_capacity(self.allocations.len());
+        for state in self.allocations.drain(..) {
+            let mut chunks = Vec::with_capacity(state.done.len());
+            for (i, done) in state.done.into_iter().enumerate() {
+                let done = done.ok_or_else(|| {
+                    ImageError::Worker(format!(
+                        "no result for chunk {i} of allocation {:#x}",
+                        state.va
+                    ))
+                })?;
+                let at = match done.placed {
+                    Placed::Final(location) => location,
+                    Placed::SameAs(hash) => {
+                        stored.get(&hash).copied().flatten().ok_or_else(|| {
+                            ImageError::Worker(format!("chunk {} was never stored", hash.to_hex()))
+                        })?
+                    }
+                };
+                let offset = i as u64 * chunk_size;
+                chunks.push(Chunk {
+                    offset,
+                    len: chunk_size.min(state.size - offset),
+                    crc32c: done.crc32c,
+                    blake3: done.blake3,
+                    at,
+                });
+            }
+            allocations.push(Allocation {
+                va: state.va,
+                size: state.size,
+                tags: state.tags,
+                chunks,
+            });
+        }
+        Ok(Manifest {
+            format: FORMAT_NAME.to_string(),
+            version: FORMAT_VERSION,
+            id: self.id,
+            chunk_size,
+            compression: self.opts.compression,
+            parent: self.parent.clone(),
+            files: files.to_vec(),
+            allocations,
+        })
+    }
+
+    pub(crate) fn slot(&self, alloc: AllocId, offset: u64) -> Result<(usize, usize), ImageError> {
+        let state = self
+            .allocations
+            .get(alloc.0)
+            .ok_or_else(|| ImageError::Usage(format!("unknown allocation id {}", alloc.0)))?;
+        let chunk_size = self.opts.chunk_size as u64;
+        // `is_multiple_of` needs Rust 1.87; the workspace's rust-version is 1.85.
+        #[allow(clippy::manual_is_multiple_of)]
+        let unaligned = offset % chunk_size != 0;
+        if unaligned || offset >= state.size {
+            return Err(ImageError::Usage(format!(
+                "offset {offset:#x} is not a chunk start inside allocation {:#x} ({} bytes)",
+                state.va, state.size
+            )));
+        }
+        let index = (offset / chunk_size) as usize;
+        if state.submitted[index] {
+            return Err(ImageError::Usage(format!(
+                "chunk at {offset:#x} of allocation {:#x} was already written",
+                state.va
+            )));
+        }
+        Ok((index, chunk_size.min(state.size - offset) as usize))
+    }
+
+    pub(crate) fn acquire(&mut self) -> Result<Vec<u8>, ImageError> {
+        self.pipeline_mut().acquire().map_err(ImageError::Worker)
+    }
+
+    pub(crate) fn pipeline_mut(&mut self) -> &mut Pipeline {
+        self.pipeline
+            .as_mut()
+            .expect("pipeline present until finish")
+    }
+
+    pub(crate) fn allocation_size(&self, alloc: AllocId) -> u64 {
+        self.allocations[alloc.0].size
+    }
+
+    /// Takes finished chunk records off the result queue.
+    fn collect(&mut self) {
+        for done in self.pipeline_mut().ready() {
+            self.record(done);
+        }
+    }
+
+    fn record(&mut self, done: Done) {
+        let (alloc, index) = (done.alloc, done.index);
+        self.allocations[alloc].done[index] = Some(done);
+    }
+}
+
+impl Drop for ImageWriter {
+    fn drop(&mut self) {
+        if let Some(pipeline) = self.pipeline.take() {
+            drop(pipeline);
+            if let Err(e) = std::fs::remove_dir_all(&self.temp) {
+                tracing::warn!(temp = %self.temp.display(), error = %e, "cannot remove an abandoned GPU state image");
+            } else {
+                tracing::warn!(dir = %self.target.display(), "GPU state image abandoned before finish; nothing was published");
+            }
+        } else if self.temp.exists() {
+            // finish() failed after the pipeline ended: the temporary directory stays unpublished.
+            let _ = std::fs::remove_dir_all(&self.temp);
+        }
+    }
+}
+
+/// The parent's path as recorded: relative to the new image's directory when both
+/// resolve, absolute otherwise.
+fn parent_path_from(image: &Path, parent: &Path) -> String {
+    let image_abs = image
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .canonicalize()
+        .ok()
+        .and_then(|p| image.file_name().map(|n| p.join(n)));
+    let parent_abs = parent.canonicalize().ok();
+    match (image_abs, parent_abs) {
+        (Some(from), Some(to)) => relative(&from, &to).to_string_lossy().into_owned(),
+        (_, Some(to)) => to.to_string_lossy().into_owned(),
+        _ => parent.to_string_lossy().into_owned(),
+    }
+}
+
+/// `to` as seen from directory `from` (both absolute).
+fn relative(from: &Path, to: &Path) -> PathBuf {
+    let from: Vec<_> = from.components().collect();
+    let to: Vec<_> = to.components().collect();
+    let common = from.iter().zip(&to).take_while(|(a, b)| a == b).count();
+    let mut out = PathBuf::new();
+    for _ in common..from.len() {
+        out.push("..");
+    }
+    for part in &to[common..] {
+        out.push(part);
+    }
+    out
+}
