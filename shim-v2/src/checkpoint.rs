@@ -183,9 +183,16 @@ impl Container {
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
         let quiesced = self.quiesce_gpu(init.state).await?;
+        let thawed = self.thaw_for_plugin(init.state).await?;
         let started = Instant::now();
         tracing::info!(id = %self.id, image = %image.display(), exit = req.exit, "checkpoint");
-        if let Err(e) = self.runc.checkpoint(&self.id, &opts).await {
+        let dumped = self.runc.checkpoint(&self.id, &opts).await;
+        if thawed && (dumped.is_err() || !req.exit) {
+            if let Err(e) = self.runc.pause(&self.id).await {
+                tracing::error!(id = %self.id, "re-pausing after the plugin's checkpoint: {e}");
+            }
+        }
+        if let Err(e) = dumped {
             let log = work.join("dump.log");
             let kept = self.bundle.join("criu-dump.log");
             let _ = std::fs::copy(&log, &kept);
@@ -204,7 +211,7 @@ impl Container {
             return Err(Error::Checkpoint {
                 id: self.id.clone(),
                 msg,
-                log: kept,
+                log: Some(kept),
             });
         }
         let dump_ms = started.elapsed().as_millis() as u64;
@@ -283,13 +290,27 @@ impl Container {
         let q = res.map_err(|e| Error::Checkpoint {
             id: self.id.clone(),
             msg: e.to_string(),
-            log: self.bundle.join("criu-dump.log"),
+            log: None,
         })?;
         if let Some(q) = &q {
             tracing::info!(id = %self.id, pids = ?q.pids(),
                 elapsed_ms = started.elapsed().as_millis() as u64, "GPU locked and checkpointed");
         }
         Ok(q)
+    }
+
+    /// A CUDA CRIU plugin locks the GPU from inside CRIU, through a thread of the process:
+    /// a task the client paused (cgroup-frozen, as ctr does before every checkpoint) must run
+    /// for it. Returns whether the task was thawed (it is paused again after the dump).
+    async fn thaw_for_plugin(&self, state: InitState) -> Result<bool> {
+        if self.gpu.quiescer != gpu::Quiescer::CriuPlugin || state != InitState::Paused {
+            return Ok(false);
+        }
+        if gpu::nvidia_pids(&self.runc.ps(&self.id).await?).is_empty() {
+            return Ok(false);
+        }
+        self.runc.resume(&self.id).await?;
+        Ok(true)
     }
 
     /// After a failed dump: the task must be running again unless the client paused it.

@@ -22,13 +22,12 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{op} failed: {msg}")]
     Runtime { op: &'static str, msg: String },
-    #[error(
-        "checkpoint of {id} failed: {msg}; the container was left running, CRIU's log is at {log}"
-    )]
+    #[error("checkpoint of {id} failed: {msg}; the container was left running{}", criu_log_hint(.log))]
     Checkpoint {
         id: String,
         msg: String,
-        log: PathBuf,
+        /// CRIU's dump log, when CRIU ran.
+        log: Option<PathBuf>,
     },
     #[error("restore of {id} from {image} failed: {msg}")]
     Restore {
@@ -48,6 +47,13 @@ pub enum Error {
     Decode { what: &'static str, msg: String },
     #[error("operation not supported: {0}")]
     Unsupported(String),
+}
+
+fn criu_log_hint(log: &Option<PathBuf>) -> String {
+    match log {
+        Some(p) => format!(", CRIU's log is at {}", p.display()),
+        None => String::new(),
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
