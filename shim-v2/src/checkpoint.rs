@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     container::Container,
     error::{Error, IoContext, Result},
-    gpu,
+    gpu, host,
     options::CheckpointRequest,
     process::state::{InitState, Verb},
     runc::CheckpointOpts,
@@ -230,6 +230,11 @@ impl Container {
             }
             None => None,
         };
+        // What another host needs to fit this container: CDI devices, mounts, GPU UUIDs.
+        if let Err(e) = host::record(&self.bundle, image) {
+            tracing::warn!(id = %self.id, "no host manifest in the image (restores elsewhere \
+                cannot re-resolve devices): {e}");
+        }
         let written = write_manifest(&self.id, image, !req.exit, dump_ms);
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");

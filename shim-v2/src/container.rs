@@ -17,6 +17,7 @@ use tokio::sync::Mutex;
 use crate::{
     error::{Error, IoContext, Result},
     gpu::{self, GpuConfig},
+    host,
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
     process::{
@@ -127,9 +128,10 @@ impl Container {
             spawner: spawner.clone(),
         };
         let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
+        let mut gpu_pairs = Vec::new();
         if let Some(image) = &cfg.checkpoint {
             crate::checkpoint::validate_image(&cfg.id, image)?;
-            // Refuse what this host's GPUs cannot take before anything is created.
+            // Refuse what this host cannot take before anything is created.
             let refuse = |e: Error| Error::Restore {
                 id: cfg.id.clone(),
                 image: image.clone(),
@@ -138,6 +140,9 @@ impl Container {
             if let Some(record) = gpu::load_record(image).map_err(refuse)? {
                 gpu::check_restore(&record).map_err(refuse)?;
             }
+            gpu_pairs = host::plan_restore(&cfg.bundle, image).map_err(refuse)?;
+        } else {
+            host::inject_cdi_devices(&cfg.bundle)?;
         }
         mount_rootfs(&cfg.rootfs, &cfg.bundle)?;
         let init = match &cfg.checkpoint {
@@ -147,19 +152,22 @@ impl Container {
                 } else {
                     PathBuf::from(&cfg.opts.criu_work_path)
                 };
-                InitProcess::armed_restore(RestoreOpts {
-                    checkpoint: CheckpointOpts {
-                        image_path: image.clone(),
-                        work_path: Some(work),
-                        parent_path: cfg.parent_checkpoint.clone(),
-                        shell_job: cfg.stdio.terminal,
-                        ..Default::default()
+                InitProcess::armed_restore(
+                    RestoreOpts {
+                        checkpoint: CheckpointOpts {
+                            image_path: image.clone(),
+                            work_path: Some(work),
+                            parent_path: cfg.parent_checkpoint.clone(),
+                            shell_job: cfg.stdio.terminal,
+                            ..Default::default()
+                        },
+                        bundle: cfg.bundle.clone(),
+                        pid_file: cfg.bundle.join("init.pid"),
+                        console_socket: None,
+                        no_pivot: cfg.opts.no_pivot_root,
                     },
-                    bundle: cfg.bundle.clone(),
-                    pid_file: cfg.bundle.join("init.pid"),
-                    console_socket: None,
-                    no_pivot: cfg.opts.no_pivot_root,
-                })
+                    std::mem::take(&mut gpu_pairs),
+                )
             }
             None => {
                 let pid_file = cfg.bundle.join("init.pid");
@@ -223,7 +231,7 @@ impl Container {
         let mut init = self.init.lock().await;
         let next = init.state.next(Verb::Start)?;
         if let Some(restore) = init.restore.clone() {
-            let (pid, io) = self.restore(&restore).await?;
+            let (pid, io) = self.restore(&restore, init.gpu_pairs.clone()).await?;
             init.pid = pid;
             init.io = io;
             init.restore = None;
@@ -236,7 +244,11 @@ impl Container {
         Ok(init.pid)
     }
 
-    async fn restore(&self, r: &RestoreOpts) -> Result<(u32, crate::io::ProcessIo)> {
+    async fn restore(
+        &self,
+        r: &RestoreOpts,
+        gpu_pairs: Vec<gpu_state::GpuPair>,
+    ) -> Result<(u32, crate::io::ProcessIo)> {
         let started = std::time::Instant::now();
         let (child, pending) = PendingIo::prepare(
             &self.stdio,
@@ -261,13 +273,15 @@ impl Container {
                 // The restored CUDA processes wait CHECKPOINTED (their CUDA calls block)
                 // until the driver gives their device memory back.
                 let pids = self.runc.ps(&self.id).await?;
-                let n = gpu::resume_restored(pids).await.inspect_err(|_| {
-                    // Kill the half-restored tree before it is deleted below.
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                })?;
+                let n = gpu::resume_restored(pids, gpu_pairs)
+                    .await
+                    .inspect_err(|_| {
+                        // Kill the half-restored tree before it is deleted below.
+                        let _ = nix::sys::signal::kill(
+                            nix::unistd::Pid::from_raw(pid as i32),
+                            nix::sys::signal::Signal::SIGKILL,
+                        );
+                    })?;
                 if n > 0 {
                     tracing::info!(id = %self.id, processes = n, "GPU state restored");
                 }

@@ -17,8 +17,8 @@ use std::{
 };
 
 use gpu_state::{
-    check_compatibility, CheckpointApi, CudaDriver, GpuCheckpointRecord, GpuProcessSet, Inventory,
-    StepTimeouts,
+    check_compatibility, CheckpointApi, CudaDriver, GpuCheckpointRecord, GpuPair, GpuProcessSet,
+    Inventory, StepTimeouts,
 };
 
 use crate::error::{Error, Result};
@@ -209,8 +209,9 @@ pub fn check_restore(record: &GpuCheckpointRecord) -> Result<()> {
     check_compatibility(recorded, &current, need).map_err(|e| Error::Gpu(e.to_string()))
 }
 
-/// After `runc restore`: restore and unlock every CUDA process among `pids`.
-pub async fn resume_restored(pids: Vec<i32>) -> Result<usize> {
+/// After `runc restore`: restore and unlock every CUDA process among `pids`, onto the GPUs
+/// `pairs` name when the container moved (empty: the same GPUs).
+pub async fn resume_restored(pids: Vec<i32>, pairs: Vec<GpuPair>) -> Result<usize> {
     let candidates = nvidia_pids(&pids);
     if candidates.is_empty() {
         return Ok(0);
@@ -220,7 +221,7 @@ pub async fn resume_restored(pids: Vec<i32>) -> Result<usize> {
         let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
             .map_err(|e| Error::Gpu(e.to_string()))?;
         let n = set.processes().len();
-        set.resume_all(&[])
+        set.resume_all(&pairs)
             .map_err(|e| Error::Gpu(format!("restore of device memory: {e}")))?;
         Ok(n)
     })

@@ -10,6 +10,7 @@ pub mod container;
 pub mod error;
 pub mod events;
 pub mod gpu;
+pub mod host;
 pub mod io;
 pub mod logger;
 pub mod oom;

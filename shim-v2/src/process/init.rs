@@ -14,6 +14,8 @@ pub struct InitProcess {
     pub restore: Option<RestoreOpts>,
     /// The checkpoint image a restore came from, for the TaskCreate event and logs.
     pub checkpoint: Option<PathBuf>,
+    /// Old→new GPU pairs for the driver's restore when the container moved GPUs.
+    pub gpu_pairs: Vec<gpu_state::GpuPair>,
 }
 
 impl InitProcess {
@@ -24,16 +26,18 @@ impl InitProcess {
             io,
             restore: None,
             checkpoint: None,
+            gpu_pairs: Vec::new(),
         }
     }
 
-    pub fn armed_restore(restore: RestoreOpts) -> Self {
+    pub fn armed_restore(restore: RestoreOpts, gpu_pairs: Vec<gpu_state::GpuPair>) -> Self {
         InitProcess {
             state: InitState::CreatedCheckpoint,
             pid: 0,
             io: ProcessIo::default(),
             checkpoint: Some(restore.checkpoint.image_path.clone()),
             restore: Some(restore),
+            gpu_pairs,
         }
     }
 }

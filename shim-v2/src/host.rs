@@ -1,0 +1,124 @@
+//! The host-specific parts of a container (CDI devices, device nodes, bind mounts, GPU UUIDs)
+//! through `gpucr-cdi`: injected at Create, recorded at checkpoint (`gpucr-host.json`), and
+//! re-resolved on the restoring host, whose config.json is rewritten before `runc restore`.
+//!
+//! CDI devices are named by `cdi.k8s.io/*` annotations (what CRI, and `ctr run --annotation`,
+//! leave in the spec). CRI has already applied their edits; applying them again changes
+//! nothing, so the shim can do it for every client.
+
+use std::path::{Path, PathBuf};
+
+use gpu_state::{GpuPair, GpuUuid};
+use gpucr_cdi::{
+    apply_edits, cdi_devices_from_annotations, plan_restore_bundle, read_oci_spec,
+    write_json_atomic, CdiRegistry, HostManifest, RecordOptions, RestoreTarget,
+};
+
+use crate::error::{Error, Result};
+
+/// Shim environment: CDI spec directories, `:`-separated (default `/etc/cdi:/var/run/cdi`).
+pub const CDI_SPEC_DIRS_ENV: &str = "GPUCR_CDI_SPEC_DIRS";
+
+fn registry() -> CdiRegistry {
+    match std::env::var(CDI_SPEC_DIRS_ENV) {
+        Ok(dirs) if !dirs.is_empty() => {
+            let dirs: Vec<PathBuf> = dirs.split(':').map(PathBuf::from).collect();
+            CdiRegistry::load(&dirs)
+        }
+        _ => CdiRegistry::load_default(),
+    }
+}
+
+fn cdi_error(e: gpucr_cdi::Error) -> Error {
+    Error::invalid(format!("CDI: {e}"))
+}
+
+/// Create: injects the edits of the spec's annotated CDI devices into the bundle's config.json.
+pub fn inject_cdi_devices(bundle: &Path) -> Result<Vec<String>> {
+    let config = bundle.join("config.json");
+    let mut spec = read_oci_spec(&config).map_err(cdi_error)?;
+    let names = cdi_devices_from_annotations(&spec);
+    if names.is_empty() {
+        return Ok(names);
+    }
+    let resolved = registry().resolve(&names).map_err(cdi_error)?;
+    apply_edits(&mut spec, &resolved.edits).map_err(cdi_error)?;
+    write_json_atomic(&config, &spec).map_err(cdi_error)?;
+    Ok(names)
+}
+
+/// Checkpoint: records the host-specific parts of the running container into the image.
+pub fn record(bundle: &Path, image: &Path) -> Result<PathBuf> {
+    let spec = read_oci_spec(&bundle.join("config.json")).map_err(cdi_error)?;
+    let manifest =
+        HostManifest::record(&spec, &registry(), &RecordOptions::default()).map_err(cdi_error)?;
+    manifest.save(image).map_err(cdi_error)
+}
+
+/// Restore, before anything is created: fits the bundle's config.json to this host (target CDI
+/// devices, mount sources) and returns the old→new GPU pairs for the driver. Refuses, naming
+/// every difference, when this host cannot take the checkpoint.
+pub fn plan_restore(bundle: &Path, image: &Path) -> Result<Vec<GpuPair>> {
+    if !HostManifest::file_path(image).exists() {
+        return Ok(Vec::new());
+    }
+    let manifest = HostManifest::load(image).map_err(cdi_error)?;
+    let config = bundle.join("config.json");
+    let spec = read_oci_spec(&config).map_err(cdi_error)?;
+    // Devices the restore request names (CRI: the new container's); else the recorded names.
+    let requested = cdi_devices_from_annotations(&spec);
+    let target = RestoreTarget {
+        cdi_devices: (!requested.is_empty()).then_some(requested),
+        bundle_dir: Some(bundle.to_path_buf()),
+        ..Default::default()
+    };
+    let plan = plan_restore_bundle(&manifest, &config, &registry(), &target).map_err(cdi_error)?;
+    plan.write_spec(&config).map_err(cdi_error)?;
+    tracing::info!(devices = ?plan.cdi_devices,
+        ext_mounts = ?plan.ext_mounts.iter().map(|m| m.to_criu_arg()).collect::<Vec<_>>(),
+        "restore fitted to this host");
+    gpu_pairs(&plan.gpu_uuid_pairs)
+}
+
+/// The driver wants pairs only when a GPU changes; then they must cover every GPU.
+fn gpu_pairs(pairs: &[gpucr_cdi::GpuUuidPair]) -> Result<Vec<GpuPair>> {
+    if pairs.iter().all(|p| p.old == p.new) {
+        return Ok(Vec::new());
+    }
+    pairs
+        .iter()
+        .map(|p| {
+            let parse = |s: &str| {
+                GpuUuid::parse(s).ok_or_else(|| Error::invalid(format!("{s:?} is not a GPU UUID")))
+            };
+            Ok(GpuPair {
+                old: parse(&p.old)?,
+                new: parse(&p.new)?,
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_only_when_a_gpu_moves() {
+        let same = gpucr_cdi::GpuUuidPair {
+            old: "GPU-11111111-2222-3333-4444-555555555555".into(),
+            new: "GPU-11111111-2222-3333-4444-555555555555".into(),
+        };
+        assert!(gpu_pairs(std::slice::from_ref(&same)).unwrap().is_empty());
+        let moved = gpucr_cdi::GpuUuidPair {
+            old: same.old.clone(),
+            new: "GPU-aaaaaaaa-2222-3333-4444-555555555555".into(),
+        };
+        assert_eq!(gpu_pairs(&[same, moved]).unwrap().len(), 2);
+        let bad = gpucr_cdi::GpuUuidPair {
+            old: "x".into(),
+            new: "GPU-aaaaaaaa-2222-3333-4444-555555555555".into(),
+        };
+        assert!(gpu_pairs(&[bad]).is_err());
+    }
+}
