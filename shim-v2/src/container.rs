@@ -129,6 +129,7 @@ impl Container {
         };
         let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
         let mut gpu_pairs = Vec::new();
+        let mut gpu_processes = 0;
         if let Some(image) = &cfg.checkpoint {
             crate::checkpoint::validate_image(&cfg.id, image)?;
             // Refuse what this host cannot take before anything is created.
@@ -139,6 +140,7 @@ impl Container {
             };
             if let Some(record) = gpu::load_record(image).map_err(refuse)? {
                 gpu::check_restore(&record).map_err(refuse)?;
+                gpu_processes = record.processes.len();
             }
             gpu_pairs = host::plan_restore(&cfg.bundle, image).map_err(refuse)?;
         } else {
@@ -167,6 +169,7 @@ impl Container {
                         no_pivot: cfg.opts.no_pivot_root,
                     },
                     std::mem::take(&mut gpu_pairs),
+                    gpu_processes,
                 )
             }
             None => {
@@ -231,7 +234,8 @@ impl Container {
         let mut init = self.init.lock().await;
         let next = init.state.next(Verb::Start)?;
         if let Some(restore) = init.restore.clone() {
-            let (pid, io) = self.restore(&restore, init.gpu_pairs.clone()).await?;
+            let gpu = (init.gpu_pairs.clone(), init.gpu_processes);
+            let (pid, io) = self.restore(&restore, gpu).await?;
             init.pid = pid;
             init.io = io;
             init.restore = None;
@@ -247,7 +251,7 @@ impl Container {
     async fn restore(
         &self,
         r: &RestoreOpts,
-        gpu_pairs: Vec<gpu_state::GpuPair>,
+        (gpu_pairs, gpu_expected): (Vec<gpu_state::GpuPair>, usize),
     ) -> Result<(u32, crate::io::ProcessIo)> {
         let started = std::time::Instant::now();
         let (child, pending) = PendingIo::prepare(
@@ -273,15 +277,24 @@ impl Container {
                 // The restored CUDA processes wait CHECKPOINTED (their CUDA calls block)
                 // until the driver gives their device memory back.
                 let pids = self.runc.ps(&self.id).await?;
+                let kill_tree = || {
+                    // Kill the half-restored tree before it is deleted below.
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                };
                 let n = gpu::resume_restored(pids, gpu_pairs)
                     .await
-                    .inspect_err(|_| {
-                        // Kill the half-restored tree before it is deleted below.
-                        let _ = nix::sys::signal::kill(
-                            nix::unistd::Pid::from_raw(pid as i32),
-                            nix::sys::signal::Signal::SIGKILL,
-                        );
-                    })?;
+                    .inspect_err(|_| kill_tree())?;
+                if n < gpu_expected {
+                    kill_tree();
+                    return Err(Error::Gpu(format!(
+                        "the checkpoint holds GPU state of {gpu_expected} CUDA processes, but \
+                         only {n} were found after CRIU's restore: their device memory cannot \
+                         be given back"
+                    )));
+                }
                 if n > 0 {
                     tracing::info!(id = %self.id, processes = n, "GPU state restored");
                 }

@@ -97,8 +97,10 @@ pub fn criu_cuda_plugin_installed() -> bool {
         })
 }
 
-/// Pids (of `pids`) that have an NVIDIA device mapped: the only ones worth asking the driver
-/// about, so a CPU-only container never loads libcuda into the shim.
+/// Pids (of `pids`) that map an NVIDIA device or libcuda: the only ones worth asking the
+/// driver about, so a CPU-only container never loads libcuda into the shim. A process the
+/// driver checkpointed holds no `/dev/nvidia*` mapping any more, only libcuda's file mappings:
+/// that is what a restored CUDA process looks like until its device memory is back.
 pub fn nvidia_pids(pids: &[i32]) -> Vec<u32> {
     // Tests on CPU machines point GPUCR_LIBCUDA at a fake driver and ask every process.
     if std::env::var_os(ALL_PROCESSES_ENV).is_some_and(|v| v == "1") {
@@ -107,11 +109,16 @@ pub fn nvidia_pids(pids: &[i32]) -> Vec<u32> {
     pids.iter()
         .filter(|pid| {
             std::fs::read_to_string(format!("/proc/{pid}/maps"))
-                .map(|m| m.contains("/dev/nvidia"))
+                .map(|m| maps_cuda(&m))
                 .unwrap_or(false)
         })
         .map(|p| *p as u32)
         .collect()
+}
+
+fn maps_cuda(maps: &str) -> bool {
+    maps.lines()
+        .any(|l| l.contains("/dev/nvidia") || l.contains("/libcuda.so"))
 }
 
 fn driver() -> Result<Arc<dyn CheckpointApi>> {
@@ -242,6 +249,18 @@ mod tests {
         assert_eq!(c.lock_timeout, Duration::from_millis(2500));
         a.insert(QUIESCE_ANNOTATION.to_string(), "both".to_string());
         assert!(GpuConfig::from_annotations(&a).is_err());
+    }
+
+    #[test]
+    fn a_checkpointed_cuda_process_is_still_a_candidate() {
+        let live = "200600000-200800000 rw-s 00000000 00:05 1 /dev/nvidiactl\n";
+        let checkpointed =
+            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/local/nvidia/lib64/libcuda.so.580.159.04\n";
+        assert!(maps_cuda(live));
+        assert!(maps_cuda(checkpointed));
+        assert!(!maps_cuda(
+            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/lib/libc.so.6\n"
+        ));
     }
 
     #[test]

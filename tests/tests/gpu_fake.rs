@@ -717,8 +717,10 @@ fn restore_is_refused_for_other_gpus_and_damaged_images() {
     );
     assert_nothing_left(&g.ctd, &id);
 
-    // Nothing was left half-created: the intact image restores under the same id.
+    // Nothing was left half-created: the intact image restores under the same id, and its
+    // restored processes are CUDA processes waiting CHECKPOINTED, as with a real driver.
     std::fs::write(&pages, &pages_bytes).unwrap();
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
     let restored_at = Instant::now();
     g.ctd
         .restore_from_image_path(&id, &dir, &g.image, &spec)

@@ -16,6 +16,8 @@ pub struct InitProcess {
     pub checkpoint: Option<PathBuf>,
     /// Old→new GPU pairs for the driver's restore when the container moved GPUs.
     pub gpu_pairs: Vec<gpu_state::GpuPair>,
+    /// CUDA processes the checkpoint's GPU record holds: a restore must find them all.
+    pub gpu_processes: usize,
 }
 
 impl InitProcess {
@@ -27,10 +29,15 @@ impl InitProcess {
             restore: None,
             checkpoint: None,
             gpu_pairs: Vec::new(),
+            gpu_processes: 0,
         }
     }
 
-    pub fn armed_restore(restore: RestoreOpts, gpu_pairs: Vec<gpu_state::GpuPair>) -> Self {
+    pub fn armed_restore(
+        restore: RestoreOpts,
+        gpu_pairs: Vec<gpu_state::GpuPair>,
+        gpu_processes: usize,
+    ) -> Self {
         InitProcess {
             state: InitState::CreatedCheckpoint,
             pid: 0,
@@ -38,6 +45,7 @@ impl InitProcess {
             checkpoint: Some(restore.checkpoint.image_path.clone()),
             restore: Some(restore),
             gpu_pairs,
+            gpu_processes,
         }
     }
 }
