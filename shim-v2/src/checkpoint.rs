@@ -254,20 +254,25 @@ impl Container {
     /// Restores and unlocks the CUDA processes `q` of a task that lives on. A paused task is
     /// thawed for it and paused again, as for the lock: the driver works on a thread inside
     /// the process.
+    ///
+    /// A paused task gets its device memory back now but stays LOCKED until the client
+    /// resumes it (`Container::resume` unlocks): unlocked while thawed, it would run on
+    /// between the dump and the client's snapshot of the rootfs (ctr takes it after the
+    /// Checkpoint RPC), and a restore would repeat that work.
     async fn resume_gpu(&self, q: gpu::Quiesced, state: InitState) -> Result<()> {
-        let paused = state == InitState::Paused;
-        if paused {
-            if let Err(e) = self.runc.resume(&self.id).await {
-                tracing::error!(id = %self.id, "thawing for the GPU restore: {e}");
-            }
+        if state != InitState::Paused {
+            return q.resume().await;
         }
-        let res = q.resume().await;
-        if paused {
-            if let Err(e) = self.runc.pause(&self.id).await {
-                tracing::error!(id = %self.id, "re-pausing after the GPU restore: {e}");
-            }
+        if let Err(e) = self.runc.resume(&self.id).await {
+            tracing::error!(id = %self.id, "thawing for the GPU restore: {e}");
         }
-        res
+        let res = q.restore_memory().await;
+        if let Err(e) = self.runc.pause(&self.id).await {
+            tracing::error!(id = %self.id, "re-pausing after the GPU restore: {e}");
+        }
+        let locked = res?;
+        *self.gpu_locked.lock().expect("gpu_locked lock") = Some(locked);
+        Ok(())
     }
 
     /// Locks and checkpoints the container's CUDA processes when the shim is the quiescer.

@@ -43,6 +43,8 @@ pub struct Container {
     pub rootfs: Vec<Mount>,
     /// How GPU processes of this container are quiesced (from its annotations).
     pub gpu: GpuConfig,
+    /// CUDA processes left LOCKED by a checkpoint of a paused task; unlocked by Resume.
+    pub gpu_locked: std::sync::Mutex<Option<gpu::Quiesced>>,
     /// The init process; held across one verb (see InitProcess).
     pub init: Mutex<InitProcess>,
     pub init_exit: ExitCell,
@@ -217,6 +219,7 @@ impl Container {
             stdio: cfg.stdio,
             rootfs: cfg.rootfs,
             gpu,
+            gpu_locked: std::sync::Mutex::new(None),
             init: Mutex::new(init),
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
@@ -343,6 +346,11 @@ impl Container {
         let next = init.state.next(Verb::Resume)?;
         self.runc.resume(&self.id).await?;
         init.state = next;
+        let locked = self.gpu_locked.lock().expect("gpu_locked lock").take();
+        if let Some(q) = locked {
+            q.unlock().await?;
+            tracing::info!(id = %self.id, "GPU unlocked on resume");
+        }
         Ok(())
     }
 

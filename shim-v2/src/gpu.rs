@@ -194,6 +194,28 @@ impl Quiesced {
         })
         .await
     }
+
+    /// Gives device memory back but keeps the processes LOCKED (their CUDA calls wait): for a
+    /// task the client paused, so nothing runs between the dump and the client's snapshot of
+    /// the rootfs. `unlock` follows when the task is resumed.
+    pub async fn restore_memory(mut self) -> Result<Self> {
+        blocking(move || {
+            self.set
+                .restore_all(&[])
+                .map_err(|e| Error::Gpu(format!("restore after checkpoint: {e}")))?;
+            Ok(self)
+        })
+        .await
+    }
+
+    pub async fn unlock(mut self) -> Result<()> {
+        blocking(move || {
+            self.set
+                .unlock_all()
+                .map_err(|e| Error::Gpu(format!("unlock after checkpoint: {e}")))
+        })
+        .await
+    }
 }
 
 /// The GPU record of a checkpoint image, if it has one.

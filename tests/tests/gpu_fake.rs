@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, RUNNING};
+use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, LOCKED, RUNNING};
 use gpucr_tests::image::MEDIA_CRIU_TAR;
 use gpucr_tests::shim_client::CheckpointFlags;
 use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
@@ -434,14 +434,18 @@ fn checkpoint_of_a_paused_task_quiesces_and_stays_paused() {
         .task_checkpoint(&id, &[])
         .expect("checkpoint of a paused task")
         .expect("checkpoint image stored");
-    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
-    assert_eq!(g.fake.states().get(&pid), Some(&RUNNING));
+    // Device memory is back, but the processes stay LOCKED while the task is paused: nothing
+    // may run between the dump and the client's snapshot of the rootfs.
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE[..3], "{:#?}", g.fake.log());
+    assert_eq!(g.fake.states().get(&pid), Some(&LOCKED));
     assert_eq!(
         g.ctd.task_status(&id).unwrap().as_deref(),
         Some("PAUSED"),
         "a paused task stays paused"
     );
     g.ctd.ctr_ok(&["task", "resume", &id]).unwrap();
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "unlocked on resume");
+    assert_eq!(g.fake.states().get(&pid), Some(&RUNNING));
     let now = g.ctd.read_counter(&id).unwrap();
     g.ctd.wait_counter_above(&id, now).unwrap();
     g.ctd.remove_container(&id).unwrap();
