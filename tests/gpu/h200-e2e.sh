@@ -23,6 +23,7 @@
 #   OUT                    where results go (the device tool sets it; default ./e2e-out)
 #   GPUCR_E2E_DRY=1        no GPU: dependencies, containerd, images, and CPU-only checkpoint/
 #                          restore cycles (busybox loop) through both runtimes; for CPU machines
+#   GPUCR_E2E_SKIP_STOCK=1 skip a and stock-N (the stock runtime's small runs)
 #   GPUCR_E2E_SKIP_BIG=1   skip the 16 GiB runs;  GPUCR_E2E_BIG_GIB (16), GPUCR_E2E_SMALL_GIB (2)
 #   GPUCR_E2E_BUDGET_S     seconds for the whole run (default 540); later parts are skipped
 #                          when too little is left. A watchdog ends the run at budget + 30 s.
@@ -778,7 +779,9 @@ ref_run cuda "$SMALL" 1500
 
 # a + stock-SMALL: one runc container.
 use_workload cuda "$SMALL"
-if start_workload stock "$RUNC_RT"; then
+if [ "${GPUCR_E2E_SKIP_STOCK:-0}" = 1 ]; then
+  SKIP_WHY="GPUCR_E2E_SKIP_STOCK=1" skip_all a "stock-$SMALL"
+elif start_workload stock "$RUNC_RT"; then
   scenario_a stock || true
   cr_cycle stock stock "stock-$SMALL" || true
 else
