@@ -817,7 +817,7 @@ scenario_e_runc() {
   pid=$(task_pid "$id")
   before=$(laststep "$pid")
   # 1) leave-running: lock + checkpoint in PAUSE/CHECKPOINT_DEVICES, restore + unlock at exit.
-  if ! timeout 300 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
+  if ! timeout 90 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
       --leave-running "$id" >"$LOGS/e-ckpt1.txt" 2>&1; then
     cp "$w1/dump.log" "$LOGS/e-dump1.log" 2>/dev/null || true
     result e FAIL "$(secs_since "$t0")" "runc checkpoint --leave-running failed: $(head -c 200 "$LOGS/e-ckpt1.txt" | tr '\n' ' ') $(grep -E 'Error \(' "$w1/dump.log" 2>/dev/null | grep -v RLIMIT | head -2 | tr '\n' ' ')"
