@@ -276,6 +276,15 @@ impl Container {
             self.runc.restore(&self.id, &r, child).await?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
+            let refreshed = host::refresh_device_nodes(&self.bundle, pid).inspect_err(|_| {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            })?;
+            if !refreshed.is_empty() {
+                tracing::info!(id = %self.id, nodes = ?refreshed, "device nodes of this host");
+            }
             if self.gpu.quiescer == gpu::Quiescer::Shim {
                 // The restored CUDA processes wait CHECKPOINTED (their CUDA calls block)
                 // until the driver gives their device memory back.

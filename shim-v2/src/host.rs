@@ -80,6 +80,59 @@ pub fn plan_restore(bundle: &Path, image: &Path) -> Result<Vec<GpuPair>> {
     gpu_pairs(&plan.gpu_uuid_pairs)
 }
 
+/// After `runc restore`: CRIU brought the container's `/dev` (a tmpfs) back from the image,
+/// with the checkpoint host's device numbers. Nodes that the (rewritten) spec gives other
+/// numbers are made again, so the container sees this host's devices. Returns what changed.
+pub fn refresh_device_nodes(bundle: &Path, pid: u32) -> Result<Vec<String>> {
+    use nix::sys::stat::{lstat, makedev, mknod, Mode, SFlag};
+    let spec = read_oci_spec(&bundle.join("config.json")).map_err(cdi_error)?;
+    let devices = spec
+        .pointer("/linux/devices")
+        .and_then(|d| d.as_array())
+        .cloned()
+        .unwrap_or_default();
+    let root = PathBuf::from(format!("/proc/{pid}/root"));
+    let mut changed = Vec::new();
+    for d in devices {
+        let (Some(path), Some(kind)) = (d["path"].as_str(), d["type"].as_str()) else {
+            continue;
+        };
+        let kind = match kind {
+            "c" | "u" => SFlag::S_IFCHR,
+            "b" => SFlag::S_IFBLK,
+            _ => continue,
+        };
+        let (major, minor) = (
+            d["major"].as_u64().unwrap_or(0),
+            d["minor"].as_u64().unwrap_or(0),
+        );
+        let want = makedev(major, minor);
+        let node = root.join(path.trim_start_matches('/'));
+        if let Ok(st) = lstat(&node) {
+            let same_kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == kind;
+            if same_kind && st.st_rdev == want {
+                continue;
+            }
+            std::fs::remove_file(&node)
+                .map_err(|e| Error::io(format!("replacing device node {path}"), e))?;
+        }
+        let mode = d["fileMode"].as_u64().unwrap_or(0o666) as u32 & 0o7777;
+        mknod(&node, kind, Mode::from_bits_truncate(mode), want)
+            .map_err(|e| Error::io(format!("creating device node {path}"), e.into()))?;
+        let (uid, gid) = (d["uid"].as_u64(), d["gid"].as_u64());
+        if uid.is_some() || gid.is_some() {
+            nix::unistd::chown(
+                &node,
+                uid.map(|u| nix::unistd::Uid::from_raw(u as u32)),
+                gid.map(|g| nix::unistd::Gid::from_raw(g as u32)),
+            )
+            .map_err(|e| Error::io(format!("chown of device node {path}"), e.into()))?;
+        }
+        changed.push(format!("{path} -> {major}:{minor}"));
+    }
+    Ok(changed)
+}
+
 /// The driver wants pairs only when a GPU changes; then they must cover every GPU.
 fn gpu_pairs(pairs: &[gpucr_cdi::GpuUuidPair]) -> Result<Vec<GpuPair>> {
     if pairs.iter().all(|p| p.old == p.new) {
