@@ -257,16 +257,8 @@ impl Container {
         (gpu_pairs, gpu_expected): (Vec<gpu_state::GpuPair>, usize),
     ) -> Result<(u32, crate::io::ProcessIo)> {
         let started = std::time::Instant::now();
-        let (child, pending) = PendingIo::prepare(
-            &self.stdio,
-            IoOwner {
-                id: &self.id,
-                namespace: &self.namespace,
-                uid: self.opts.io_uid,
-                gid: self.opts.io_gid,
-            },
-            &self.runc.spawner,
-        )?;
+        let (child, pending) =
+            PendingIo::prepare(&self.stdio, self.io_owner(), &self.runc.spawner)?;
         let mut r = r.clone();
         r.console_socket = pending.console_socket().map(Path::to_path_buf);
         if let Some(w) = &r.checkpoint.work_path {
@@ -276,40 +268,13 @@ impl Container {
             self.runc.restore(&self.id, &r, child).await?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
-            let refreshed = host::refresh_device_nodes(&self.bundle, pid).inspect_err(|_| {
+            if let Err(e) = self.fit_restored(pid, gpu_pairs, gpu_expected).await {
+                // Kill the half-restored tree before it is deleted below.
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid as i32),
                     nix::sys::signal::Signal::SIGKILL,
                 );
-            })?;
-            if !refreshed.is_empty() {
-                tracing::info!(id = %self.id, nodes = ?refreshed, "device nodes of this host");
-            }
-            if self.gpu.quiescer == gpu::Quiescer::Shim {
-                // The restored CUDA processes wait CHECKPOINTED (their CUDA calls block)
-                // until the driver gives their device memory back.
-                let pids = self.runc.ps(&self.id).await?;
-                let kill_tree = || {
-                    // Kill the half-restored tree before it is deleted below.
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                };
-                let n = gpu::resume_restored(pids, gpu_pairs)
-                    .await
-                    .inspect_err(|_| kill_tree())?;
-                if n < gpu_expected {
-                    kill_tree();
-                    return Err(Error::Gpu(format!(
-                        "the checkpoint holds GPU state of {gpu_expected} CUDA processes, but \
-                         only {n} were found after CRIU's restore: their device memory cannot \
-                         be given back"
-                    )));
-                }
-                if n > 0 {
-                    tracing::info!(id = %self.id, processes = n, "GPU state restored");
-                }
+                return Err(e);
             }
             Ok::<_, Error>((pid, io))
         }
@@ -339,6 +304,45 @@ impl Container {
                     msg,
                 })
             }
+        }
+    }
+
+    /// After `runc restore`: this host's device nodes, then the GPU state of the restored CUDA
+    /// processes (they wait CHECKPOINTED, their CUDA calls blocked, until the driver gives their
+    /// device memory back).
+    async fn fit_restored(
+        &self,
+        pid: u32,
+        gpu_pairs: Vec<gpu_state::GpuPair>,
+        gpu_expected: usize,
+    ) -> Result<()> {
+        let refreshed = host::refresh_device_nodes(&self.bundle, pid)?;
+        if !refreshed.is_empty() {
+            tracing::info!(id = %self.id, nodes = ?refreshed, "device nodes of this host");
+        }
+        if self.gpu.quiescer != gpu::Quiescer::Shim {
+            return Ok(());
+        }
+        let pids = self.runc.ps(&self.id).await?;
+        let n = gpu::resume_restored(pids, gpu_pairs).await?;
+        if n < gpu_expected {
+            return Err(Error::Gpu(format!(
+                "the checkpoint holds GPU state of {gpu_expected} CUDA processes, but only {n} \
+                 were found after CRIU's restore: their device memory cannot be given back"
+            )));
+        }
+        if n > 0 {
+            tracing::info!(id = %self.id, processes = n, "GPU state restored");
+        }
+        Ok(())
+    }
+
+    fn io_owner(&self) -> IoOwner<'_> {
+        IoOwner {
+            id: &self.id,
+            namespace: &self.namespace,
+            uid: self.opts.io_uid,
+            gid: self.opts.io_gid,
         }
     }
 
@@ -477,16 +481,8 @@ impl Container {
         std::fs::write(&process_json, &p.spec.value)
             .ctx(|| format!("writing {}", process_json.display()))?;
         let res = async {
-            let (child, pending) = PendingIo::prepare(
-                &p.stdio,
-                IoOwner {
-                    id: &self.id,
-                    namespace: &self.namespace,
-                    uid: self.opts.io_uid,
-                    gid: self.opts.io_gid,
-                },
-                &self.runc.spawner,
-            )?;
+            let (child, pending) =
+                PendingIo::prepare(&p.stdio, self.io_owner(), &self.runc.spawner)?;
             let opts = ExecOpts {
                 process_json: &process_json,
                 pid_file: &pid_file,

@@ -299,7 +299,7 @@ fn output_pipe(
     match target {
         IoTarget::Null => Ok(Stdio::null()),
         IoTarget::Fifo(path) => {
-            let (r, w) = pipe(&owner)?;
+            let (r, w) = pipe(owner)?;
             let src = pipe::Receiver::from_owned_fd(r).ctx(|| format!("{what} pipe"))?;
             let dst = fifo_writer(&path)?;
             io.outputs.push(copy_task(src, dst, what));
