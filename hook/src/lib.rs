@@ -1,1 +1,6 @@
-//! gpucr-hook: the in-container CUDA interceptor (not built out yet; see docs/ARCHITECTURE.md).
+//! gpucr-hook: the in-container CUDA interceptor (see README.md).
+#![doc = include_str!("../README.md")]
+
+pub mod driver;
+#[cfg(any(test, feature = "fake"))]
+pub mod fake;

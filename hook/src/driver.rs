@@ -1,0 +1,97 @@
+//! [`VmmDriver`]: what the hook needs from the CUDA driver's virtual memory management
+//! (VMM) API, in our own minimal types (no CUDA headers).
+//!
+//! The real implementation (function pointers resolved from libcuda) is not written yet;
+//! tests use [`FakeDriver`](crate::fake::FakeDriver). Every method takes `&self`: the
+//! driver is shared by the application's threads and the control thread.
+
+use thiserror::Error;
+
+/// A device virtual address (`CUdeviceptr`).
+pub type DevicePtr = u64;
+
+/// A physical allocation (`CUmemGenericAllocationHandle`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PhysHandle(pub u64);
+
+/// The driver call that failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DriverCall {
+    Granularity,
+    AddressReserve,
+    Create,
+    Map,
+    SetAccess,
+    Unmap,
+    Release,
+    AddressFree,
+    CopyToHost,
+    CopyFromHost,
+    Synchronize,
+}
+
+/// A failed driver call: which call and the driver's result code (`CUresult`).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("CUDA driver call {call:?} failed with code {code}")]
+pub struct DriverError {
+    pub call: DriverCall,
+    pub code: i32,
+}
+
+/// `CUDA_ERROR_INVALID_VALUE`.
+pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+/// `CUDA_ERROR_OUT_OF_MEMORY`.
+pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+
+/// The VMM calls the hook makes. Sizes passed to `reserve`, `create`, `map`, `unmap`,
+/// `set_access` and `free_va` are multiples of [`granularity`](Self::granularity).
+pub trait VmmDriver: Send + Sync {
+    /// The allocation granularity of the current device (`cuMemGetAllocationGranularity`).
+    fn granularity(&self) -> Result<u64, DriverError>;
+    /// Reserves a virtual address range (`cuMemAddressReserve`); `fixed` asks for that
+    /// exact address (a hint to the real driver, honoured or refused by the fake).
+    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError>;
+    /// Creates physical memory of `size` bytes on the current device (`cuMemCreate`).
+    fn create(&self, size: u64) -> Result<PhysHandle, DriverError>;
+    /// Maps `handle` at `va` (`cuMemMap`).
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Grants the current device read/write access (`cuMemSetAccess`).
+    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    /// Unmaps a mapped range (`cuMemUnmap`).
+    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    /// Releases physical memory (`cuMemRelease`).
+    fn release(&self, handle: PhysHandle) -> Result<(), DriverError>;
+    /// Frees a virtual address reservation (`cuMemAddressFree`).
+    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    /// Copies `dst.len()` bytes from device address `src` (`cuMemcpyDtoH`).
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError>;
+    /// Copies `src` to device address `dst` (`cuMemcpyHtoD`).
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
+    /// Waits for all work on the device (`cuCtxSynchronize`).
+    fn synchronize(&self) -> Result<(), DriverError>;
+}
+
+/// `value` rounded up to a multiple of `align` (a power of two or any non-zero value);
+/// `None` on overflow.
+pub fn round_up(value: u64, align: u64) -> Option<u64> {
+    if align == 0 {
+        return None;
+    }
+    value.checked_add(align - 1).map(|v| v / align * align)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_up_rounds_and_detects_overflow() {
+        assert_eq!(round_up(0, 4096), Some(0));
+        assert_eq!(round_up(1, 4096), Some(4096));
+        assert_eq!(round_up(4096, 4096), Some(4096));
+        assert_eq!(round_up(4097, 4096), Some(8192));
+        assert_eq!(round_up(7, 3), Some(9));
+        assert_eq!(round_up(u64::MAX, 4096), None);
+        assert_eq!(round_up(5, 0), None);
+    }
+}

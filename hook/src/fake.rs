@@ -1,0 +1,378 @@
+//! [`FakeDriver`]: an in-process stand-in for the CUDA driver's VMM API. "Device memory"
+//! is host `Vec`s, one per physical allocation; mappings and reservations are checked the
+//! way the driver checks them, so the hook's bookkeeping bugs show up as errors.
+//!
+//! New physical memory is filled with [`FakeDriver::FILL`], not zeros, so a test notices
+//! when a copy-in was skipped.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::driver::{
+    DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver, CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_OUT_OF_MEMORY,
+};
+
+/// Where the fake's address space starts (like the driver's, above user mappings).
+const VA_BASE: u64 = 0x7f00_0000_0000;
+
+#[derive(Debug)]
+struct Mapping {
+    size: u64,
+    handle: PhysHandle,
+    accessible: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_va: u64,
+    next_handle: u64,
+    /// Reservation start → size.
+    reservations: BTreeMap<u64, u64>,
+    physical: HashMap<PhysHandle, Vec<u8>>,
+    /// Mapping start → mapping.
+    mappings: BTreeMap<u64, Mapping>,
+    /// Calls that fail once, for error-path tests.
+    fail_next: Vec<DriverCall>,
+    /// Most bytes of physical memory alive at one time.
+    peak_physical: u64,
+}
+
+/// The fake driver. See the module docs.
+#[derive(Debug)]
+pub struct FakeDriver {
+    granularity: u64,
+    /// Total "device memory"; `create` beyond it fails with out-of-memory.
+    capacity: u64,
+    state: Mutex<State>,
+}
+
+impl Default for FakeDriver {
+    fn default() -> Self {
+        FakeDriver::new(64 << 10, 1 << 30)
+    }
+}
+
+impl FakeDriver {
+    /// The byte new physical memory holds.
+    pub const FILL: u8 = 0xA5;
+
+    /// A fake device with this granularity and capacity in bytes.
+    pub fn new(granularity: u64, capacity: u64) -> FakeDriver {
+        FakeDriver {
+            granularity,
+            capacity,
+            state: Mutex::new(State {
+                next_va: VA_BASE,
+                next_handle: 1,
+                ..State::default()
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes the next call of `call` fail with `CUDA_ERROR_INVALID_VALUE`.
+    pub fn fail_next(&self, call: DriverCall) {
+        self.lock().fail_next.push(call);
+    }
+
+    /// Bytes of physical memory alive now.
+    pub fn physical_bytes(&self) -> u64 {
+        self.lock().physical.values().map(|v| v.len() as u64).sum()
+    }
+
+    /// Most bytes of physical memory alive at one time.
+    pub fn peak_physical_bytes(&self) -> u64 {
+        self.lock().peak_physical
+    }
+
+    /// Number of live reservations.
+    pub fn reservations(&self) -> usize {
+        self.lock().reservations.len()
+    }
+
+    /// Number of live mappings.
+    pub fn mappings(&self) -> usize {
+        self.lock().mappings.len()
+    }
+
+    fn check(state: &mut State, call: DriverCall) -> Result<(), DriverError> {
+        if let Some(i) = state.fail_next.iter().position(|c| *c == call) {
+            state.fail_next.remove(i);
+            return Err(invalid(call));
+        }
+        Ok(())
+    }
+
+    fn check_aligned(&self, call: DriverCall, values: &[u64]) -> Result<(), DriverError> {
+        if values.iter().any(|v| v % self.granularity != 0) {
+            return Err(invalid(call));
+        }
+        Ok(())
+    }
+
+    /// The mapping holding `[va, va + len)` with access granted, and the offset in it.
+    fn resolve(
+        state: &State,
+        call: DriverCall,
+        va: DevicePtr,
+        len: u64,
+    ) -> Result<(PhysHandle, usize), DriverError> {
+        let (start, m) = state
+            .mappings
+            .range(..=va)
+            .next_back()
+            .ok_or_else(|| invalid(call))?;
+        let end = va.checked_add(len).ok_or_else(|| invalid(call))?;
+        if !m.accessible || end > start + m.size {
+            return Err(invalid(call));
+        }
+        Ok((m.handle, (va - start) as usize))
+    }
+}
+
+fn invalid(call: DriverCall) -> DriverError {
+    DriverError {
+        call,
+        code: CUDA_ERROR_INVALID_VALUE,
+    }
+}
+
+fn overlaps<V>(map: &BTreeMap<u64, V>, start: u64, end: u64, size_of: impl Fn(&V) -> u64) -> bool {
+    map.range(..end)
+        .next_back()
+        .is_some_and(|(s, v)| s + size_of(v) > start)
+}
+
+impl VmmDriver for FakeDriver {
+    fn granularity(&self) -> Result<u64, DriverError> {
+        Self::check(&mut self.lock(), DriverCall::Granularity)?;
+        Ok(self.granularity)
+    }
+
+    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError> {
+        let call = DriverCall::AddressReserve;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        self.check_aligned(call, &[size, fixed.unwrap_or(0)])?;
+        if size == 0 {
+            return Err(invalid(call));
+        }
+        let va = fixed.unwrap_or(s.next_va);
+        let end = va.checked_add(size).ok_or_else(|| invalid(call))?;
+        if overlaps(&s.reservations, va, end, |size| *size) {
+            return Err(invalid(call));
+        }
+        s.reservations.insert(va, size);
+        s.next_va = s.next_va.max(end);
+        Ok(va)
+    }
+
+    fn create(&self, size: u64) -> Result<PhysHandle, DriverError> {
+        let call = DriverCall::Create;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        self.check_aligned(call, &[size])?;
+        let used: u64 = s.physical.values().map(|v| v.len() as u64).sum();
+        if size == 0 || used + size > self.capacity {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_OUT_OF_MEMORY,
+            });
+        }
+        let handle = PhysHandle(s.next_handle);
+        s.next_handle += 1;
+        s.physical.insert(handle, vec![Self::FILL; size as usize]);
+        s.peak_physical = s.peak_physical.max(used + size);
+        Ok(handle)
+    }
+
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+        let call = DriverCall::Map;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        self.check_aligned(call, &[va, size])?;
+        let end = va.checked_add(size).ok_or_else(|| invalid(call))?;
+        let reserved = s
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(start, len)| end <= start + len);
+        let phys_len = s.physical.get(&handle).map(|v| v.len() as u64);
+        if !reserved
+            || phys_len != Some(size)
+            || overlaps(&s.mappings, va, end, |m: &Mapping| m.size)
+        {
+            return Err(invalid(call));
+        }
+        s.mappings.insert(
+            va,
+            Mapping {
+                size,
+                handle,
+                accessible: false,
+            },
+        );
+        Ok(())
+    }
+
+    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        let call = DriverCall::SetAccess;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        match s.mappings.get_mut(&va) {
+            Some(m) if m.size == size => {
+                m.accessible = true;
+                Ok(())
+            }
+            _ => Err(invalid(call)),
+        }
+    }
+
+    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        let call = DriverCall::Unmap;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        match s.mappings.get(&va) {
+            Some(m) if m.size == size => {
+                s.mappings.remove(&va);
+                Ok(())
+            }
+            _ => Err(invalid(call)),
+        }
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+        let call = DriverCall::Release;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        // The real driver keeps mapped memory alive until unmapped; the hook always
+        // unmaps first, so the fake refuses instead.
+        if s.mappings.values().any(|m| m.handle == handle) {
+            return Err(invalid(call));
+        }
+        s.physical
+            .remove(&handle)
+            .map(|_| ())
+            .ok_or_else(|| invalid(call))
+    }
+
+    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        let call = DriverCall::AddressFree;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let end = va.checked_add(size).ok_or_else(|| invalid(call))?;
+        if s.reservations.get(&va) != Some(&size) || overlaps(&s.mappings, va, end, |m| m.size) {
+            return Err(invalid(call));
+        }
+        s.reservations.remove(&va);
+        Ok(())
+    }
+
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
+        let call = DriverCall::CopyToHost;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let (handle, offset) = Self::resolve(&s, call, src, dst.len() as u64)?;
+        dst.copy_from_slice(&s.physical[&handle][offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
+        let call = DriverCall::CopyFromHost;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let (handle, offset) = Self::resolve(&s, call, dst, src.len() as u64)?;
+        let memory = s.physical.get_mut(&handle).ok_or_else(|| invalid(call))?;
+        memory[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DriverError> {
+        Self::check(&mut self.lock(), DriverCall::Synchronize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = 64 << 10;
+
+    fn mapped(d: &FakeDriver, size: u64) -> (DevicePtr, PhysHandle) {
+        let va = d.reserve(size, None).unwrap();
+        let h = d.create(size).unwrap();
+        d.map(va, size, h).unwrap();
+        d.set_access(va, size).unwrap();
+        (va, h)
+    }
+
+    #[test]
+    fn contents_survive_release_and_remap_only_through_copies() {
+        let d = FakeDriver::default();
+        let (va, h) = mapped(&d, 2 * G);
+        d.copy_from_host(va + 10, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        d.copy_to_host(va + 10, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+
+        d.unmap(va, 2 * G).unwrap();
+        d.release(h).unwrap();
+        assert!(
+            d.copy_to_host(va, &mut out).is_err(),
+            "unmapped VA is not readable"
+        );
+        assert_eq!(d.physical_bytes(), 0);
+
+        let h2 = d.create(2 * G).unwrap();
+        d.map(va, 2 * G, h2).unwrap();
+        assert!(
+            d.copy_to_host(va, &mut out).is_err(),
+            "no access before set_access"
+        );
+        d.set_access(va, 2 * G).unwrap();
+        d.copy_to_host(va + 10, &mut out).unwrap();
+        assert_eq!(
+            out,
+            [FakeDriver::FILL; 3],
+            "new physical memory is not the old one"
+        );
+    }
+
+    #[test]
+    fn checks_like_the_driver() {
+        let d = FakeDriver::new(G, 4 * G);
+        assert!(d.reserve(G + 1, None).is_err(), "unaligned size");
+        let va = d.reserve(2 * G, None).unwrap();
+        assert!(
+            d.reserve(G, Some(va + G)).is_err(),
+            "overlapping reservation"
+        );
+        let h = d.create(G).unwrap();
+        assert!(d.map(va + 2 * G, G, h).is_err(), "outside the reservation");
+        d.map(va, G, h).unwrap();
+        assert!(d.map(va, G, h).is_err(), "already mapped");
+        assert!(d.release(h).is_err(), "still mapped");
+        assert!(d.free_va(va, 2 * G).is_err(), "mapping inside");
+        let oom = d.create(4 * G).unwrap_err();
+        assert_eq!(oom.code, CUDA_ERROR_OUT_OF_MEMORY);
+        d.set_access(va, G).unwrap();
+        let mut big = vec![0u8; (G + 1) as usize];
+        assert!(d.copy_to_host(va, &mut big).is_err(), "past the mapping");
+        d.unmap(va, G).unwrap();
+        d.release(h).unwrap();
+        d.free_va(va, 2 * G).unwrap();
+        assert_eq!((d.reservations(), d.mappings()), (0, 0));
+    }
+
+    #[test]
+    fn injected_failure_happens_once() {
+        let d = FakeDriver::default();
+        d.fail_next(DriverCall::Create);
+        assert_eq!(d.create(G).unwrap_err().call, DriverCall::Create);
+        assert!(d.create(G).is_ok());
+    }
+}
