@@ -1,6 +1,7 @@
 //! gpucr-hook: the in-container CUDA interceptor (see README.md).
 #![doc = include_str!("../README.md")]
 
+pub mod alloc;
 pub mod driver;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
