@@ -5,3 +5,4 @@ pub mod alloc;
 pub mod driver;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
+pub mod gate;
