@@ -6,3 +6,4 @@ pub mod driver;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
 pub mod gate;
+pub mod protocol;

@@ -1,0 +1,323 @@
+//! The control protocol's messages and framing: a frame is a 4-byte big-endian length
+//! followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
+//! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is
+//! `{"ok": {...}}` or `{"error": {"kind": "...", "message": "..."}}`.
+
+use std::io::{self, Read, Write};
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::alloc::Unsupported;
+use crate::gate::GateState;
+
+/// Largest frame either side accepts (requests carry two paths at most).
+pub const MAX_FRAME: u32 = 64 << 10;
+
+/// A request on the control socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "verb", deny_unknown_fields)]
+pub enum Request {
+    /// Stop new GPU work, wait for the work in flight, synchronize the device.
+    Freeze,
+    /// Write every tracked allocation into a new image at `image_dir` (a delta of
+    /// `parent` when given).
+    CopyOut {
+        image_dir: PathBuf,
+        #[serde(default)]
+        parent: Option<PathBuf>,
+    },
+    /// Release the physical memory of every allocation, keeping the VA ranges.
+    Release,
+    /// Create physical memory again at the same VAs.
+    Remap,
+    /// Fill every allocation from the image at `image_dir`.
+    CopyIn { image_dir: PathBuf },
+    /// Let GPU work go on.
+    Thaw,
+    /// Report the state; legal in every state.
+    Status,
+}
+
+/// The verbs [`Request`] knows, to tell an unknown verb from a malformed request.
+pub const VERBS: [&str; 7] = [
+    "Freeze", "CopyOut", "Release", "Remap", "CopyIn", "Thaw", "Status",
+];
+
+impl Request {
+    /// The request's verb.
+    pub fn verb(&self) -> Verb {
+        match self {
+            Request::Freeze => Verb::Freeze,
+            Request::CopyOut { .. } => Verb::CopyOut,
+            Request::Release => Verb::Release,
+            Request::Remap => Verb::Remap,
+            Request::CopyIn { .. } => Verb::CopyIn,
+            Request::Thaw => Verb::Thaw,
+            Request::Status => Verb::Status,
+        }
+    }
+}
+
+/// A request's verb without its arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Verb {
+    Freeze,
+    CopyOut,
+    Release,
+    Remap,
+    CopyIn,
+    Thaw,
+    Status,
+}
+
+/// Where the hook is in the checkpoint sequence. Declaration order is the protocol
+/// order: Running → Frozen → CopiedOut → Released → Remapped → CopiedIn → Running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CheckpointState {
+    Running,
+    Frozen,
+    CopiedOut,
+    Released,
+    Remapped,
+    CopiedIn,
+}
+
+/// A reply on the control socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reply {
+    Ok(Outcome),
+    Error(ErrorReply),
+}
+
+/// What a successful verb did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Outcome {
+    Frozen,
+    CopiedOut(CopyOutReport),
+    Released(MemoryReport),
+    Remapped(MemoryReport),
+    CopiedIn(CopyInReport),
+    Thawed,
+    Status(HookStatus),
+}
+
+/// A copy-out's result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CopyOutReport {
+    pub allocations: usize,
+    /// Device bytes copied out.
+    pub bytes: u64,
+    /// Most staging memory in use at one time (the writer's buffers).
+    pub peak_staging_bytes: u64,
+    pub seconds: f64,
+}
+
+/// A release's or remap's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryReport {
+    pub allocations: usize,
+    /// Physical bytes released or created (granularity-rounded).
+    pub bytes: u64,
+}
+
+/// A copy-in's result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CopyInReport {
+    pub allocations: usize,
+    pub bytes: u64,
+    /// The staging buffer's size.
+    pub staging_bytes: u64,
+    pub seconds: f64,
+}
+
+/// The hook's state, for the shim and tools.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HookStatus {
+    pub pid: u32,
+    pub state: CheckpointState,
+    pub gate: GateState,
+    pub allocations: usize,
+    /// Application-visible bytes of all tracked allocations.
+    pub bytes: u64,
+    pub released: usize,
+    /// Memory the hook cannot move; when not empty the shim must use the driver path.
+    pub unsupported: Vec<Unsupported>,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// Not JSON, or not a request object.
+    BadRequest,
+    /// A verb the hook does not know.
+    UnknownVerb,
+    /// A frame longer than [`MAX_FRAME`]; the connection is closed after the reply.
+    FrameTooLarge,
+    /// The verb is not legal in the current state; nothing changed.
+    IllegalInState,
+    /// The verb failed; the state did not change.
+    Failed,
+}
+
+/// An error reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl Reply {
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Reply {
+        Reply::Error(ErrorReply {
+            kind,
+            message: message.into(),
+        })
+    }
+}
+
+/// Framing errors.
+#[derive(Debug, Error)]
+pub enum FrameError {
+    #[error("frame of {len} bytes is larger than {MAX_FRAME}")]
+    TooLarge { len: u32 },
+    #[error("connection closed")]
+    Closed,
+    #[error("frame I/O: {0}")]
+    Io(#[from] io::Error),
+    #[error("frame is not valid JSON for this message: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Reads one frame's bytes; [`FrameError::Closed`] at a clean end of stream.
+pub fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let len = u32::from_be_bytes(len);
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge { len });
+    }
+    let mut buf = vec![0u8; len as usize];
+    r.read_exact(&mut buf)?;
+    Ok(buf)
+}
+
+/// Writes `msg` as one frame.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+    let bytes = serde_json::to_vec(msg)?;
+    let len = u32::try_from(bytes.len())
+        .ok()
+        .filter(|l| *l <= MAX_FRAME)
+        .ok_or(FrameError::TooLarge { len: u32::MAX })?;
+    w.write_all(&len.to_be_bytes())?;
+    w.write_all(&bytes)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Parses a request frame, telling malformed requests from unknown verbs.
+pub fn parse_request(bytes: &[u8]) -> Result<Request, ErrorReply> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| ErrorReply {
+        kind: ErrorKind::BadRequest,
+        message: format!("request is not JSON: {e}"),
+    })?;
+    let verb = value.get("verb").and_then(|v| v.as_str());
+    match verb {
+        None => Err(ErrorReply {
+            kind: ErrorKind::BadRequest,
+            message: "request is not an object with a string \"verb\"".into(),
+        }),
+        Some(v) if !VERBS.contains(&v) => Err(ErrorReply {
+            kind: ErrorKind::UnknownVerb,
+            message: format!("unknown verb {v:?}; known: {}", VERBS.join(", ")),
+        }),
+        Some(v) => {
+            let bad = |message: String| ErrorReply {
+                kind: ErrorKind::BadRequest,
+                message: format!("bad arguments for {v}: {message}"),
+            };
+            let req: Request =
+                serde_json::from_value(value.clone()).map_err(|e| bad(e.to_string()))?;
+            // serde ignores unknown fields of unit variants in an internally tagged enum.
+            let known = serde_json::to_value(&req).map_err(|e| bad(e.to_string()))?;
+            if let (Some(got), Some(known)) = (value.as_object(), known.as_object()) {
+                if let Some(extra) = got.keys().find(|k| !known.contains_key(*k)) {
+                    return Err(bad(format!("unknown field {extra:?}")));
+                }
+            }
+            Ok(req)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_wire_format() {
+        let req = Request::CopyOut {
+            image_dir: "/ckpt/gpu".into(),
+            parent: None,
+        };
+        let json = serde_json::to_string(&req).unwrap();
+        assert_eq!(
+            json,
+            r#"{"verb":"CopyOut","image_dir":"/ckpt/gpu","parent":null}"#
+        );
+        assert_eq!(parse_request(json.as_bytes()).unwrap(), req);
+        assert_eq!(
+            parse_request(br#"{"verb":"CopyOut","image_dir":"/x"}"#).unwrap(),
+            Request::CopyOut {
+                image_dir: "/x".into(),
+                parent: None
+            }
+        );
+        assert_eq!(
+            parse_request(br#"{"verb":"Status"}"#).unwrap(),
+            Request::Status
+        );
+        let reply = Reply::Ok(Outcome::Thawed);
+        assert_eq!(serde_json::to_string(&reply).unwrap(), r#"{"ok":"Thawed"}"#);
+    }
+
+    #[test]
+    fn bad_requests_are_classified() {
+        let kind = |b: &[u8]| parse_request(b).unwrap_err().kind;
+        assert_eq!(kind(b"\xff\x00garbage"), ErrorKind::BadRequest);
+        assert_eq!(kind(b"[1,2]"), ErrorKind::BadRequest);
+        assert_eq!(kind(br#"{"verb":7}"#), ErrorKind::BadRequest);
+        assert_eq!(kind(br#"{"verb":"Explode"}"#), ErrorKind::UnknownVerb);
+        assert_eq!(kind(br#"{"verb":"CopyIn"}"#), ErrorKind::BadRequest);
+        assert_eq!(kind(br#"{"verb":"Thaw","extra":1}"#), ErrorKind::BadRequest);
+    }
+
+    #[test]
+    fn frames_round_trip_and_refuse_oversize() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &Request::Freeze).unwrap();
+        let mut r = &buf[..];
+        assert_eq!(
+            parse_request(&read_frame(&mut r).unwrap()).unwrap(),
+            Request::Freeze
+        );
+        assert!(matches!(read_frame(&mut r), Err(FrameError::Closed)));
+
+        let huge = (MAX_FRAME + 1).to_be_bytes();
+        assert!(matches!(
+            read_frame(&mut &huge[..]),
+            Err(FrameError::TooLarge { .. })
+        ));
+        let short = [0, 0, 0, 10, b'{'];
+        assert!(matches!(
+            read_frame(&mut &short[..]),
+            Err(FrameError::Io(_))
+        ));
+    }
+}
