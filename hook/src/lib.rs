@@ -2,8 +2,10 @@
 #![doc = include_str!("../README.md")]
 
 pub mod alloc;
+pub mod control;
 pub mod driver;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
+pub mod fastpath;
 pub mod gate;
 pub mod protocol;
