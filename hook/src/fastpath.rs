@@ -315,3 +315,7 @@ impl<D: VmmDriver> Engine for FastPath<D> {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "fastpath_tests.rs"]
+mod tests;

@@ -1,0 +1,312 @@
+use super::*;
+use crate::alloc::UnsupportedKind;
+use crate::control::{socket_path, ControlClient, ControlServer, Controller};
+use crate::driver::DriverCall;
+use crate::fake::FakeDriver;
+use crate::gate::GateState;
+use crate::protocol::{Outcome, Reply, Request};
+use gpu_state::image::Compression;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+const G: u64 = 64 << 10;
+const CHUNK: usize = 4096;
+
+struct Setup {
+    driver: Arc<FakeDriver>,
+    allocator: Arc<Allocator<FakeDriver>>,
+    gate: Arc<Gate>,
+    fast: FastPath<FakeDriver>,
+}
+
+fn setup() -> Setup {
+    let driver = Arc::new(FakeDriver::new(G, 256 * G));
+    let allocator = Arc::new(Allocator::new(driver.clone()).unwrap());
+    let gate = Arc::new(Gate::new());
+    let opts = FastPathOptions {
+        image: ImageOptions {
+            chunk_size: CHUNK,
+            compression: Compression::Zstd { level: 1 },
+            threads: 2,
+            max_in_flight: 2,
+        },
+        freeze_timeout: Duration::from_secs(10),
+        pid: Some(4242),
+    };
+    let fast = FastPath::new(allocator.clone(), gate.clone(), opts);
+    Setup {
+        driver,
+        allocator,
+        gate,
+        fast,
+    }
+}
+
+/// Deterministic, non-repeating-per-allocation contents (with a zero stretch).
+fn pattern(seed: u64, len: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|i| {
+            if (CHUNK as u64..2 * CHUNK as u64).contains(&i) {
+                return 0;
+            }
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn read(driver: &FakeDriver, va: u64, len: u64) -> Vec<u8> {
+    let mut out = vec![0; len as usize];
+    driver.copy_to_host(va, &mut out).unwrap();
+    out
+}
+
+/// Allocations of awkward sizes, filled; returns (va, contents).
+fn populate(s: &Setup) -> Vec<(u64, Vec<u8>)> {
+    let mut out = Vec::new();
+    for (i, size) in [1u64, 4095, 4096, 3 * CHUNK as u64 + 17, G + 1, 5 * G]
+        .into_iter()
+        .enumerate()
+    {
+        let va = s.allocator.alloc(size).unwrap();
+        let data = pattern(i as u64, size);
+        s.driver.copy_from_host(va, &data).unwrap();
+        out.push((va, data));
+    }
+    let (va, pitch) = s.allocator.alloc_pitch(1000, 7, 4).unwrap();
+    let data = pattern(99, pitch * 7);
+    s.driver.copy_from_host(va, &data).unwrap();
+    out.push((va, data));
+    out
+}
+
+fn check(s: &Setup, expected: &[(u64, Vec<u8>)]) {
+    check_memory(&s.driver, &s.allocator, expected);
+}
+
+fn check_memory(
+    driver: &FakeDriver,
+    allocator: &Allocator<FakeDriver>,
+    expected: &[(u64, Vec<u8>)],
+) {
+    for (va, data) in expected {
+        let alloc = allocator.get(*va).expect("allocation at its old VA");
+        assert_eq!(alloc.state, AllocState::Mapped);
+        assert_eq!(&read(driver, *va, data.len() as u64), data, "{va:#x}");
+    }
+}
+
+#[test]
+fn round_trip_keeps_contents_and_addresses_with_bounded_staging() {
+    let s = setup();
+    let expected = populate(&s);
+    let vas_before = s.allocator.addresses();
+    let physical = s.driver.physical_bytes();
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("gpu-state");
+
+    s.fast.freeze().unwrap();
+    assert_eq!(s.gate.state(), GateState::Frozen);
+    let out = s.fast.copy_out(&image, None).unwrap();
+    assert_eq!(out.allocations, expected.len());
+    assert_eq!(
+        out.bytes,
+        expected.iter().map(|(_, d)| d.len() as u64).sum::<u64>()
+    );
+    assert!(out.peak_staging_bytes > 0 && out.peak_staging_bytes <= 2 * CHUNK as u64);
+
+    let released = s.fast.release().unwrap();
+    assert_eq!(released.bytes, physical);
+    assert_eq!(s.driver.physical_bytes(), 0, "all device memory released");
+    assert_eq!(s.driver.reservations(), expected.len(), "VA kept");
+
+    let remapped = s.fast.remap().unwrap();
+    assert_eq!(remapped.bytes, physical);
+    let (va, _) = &expected[0];
+    assert_eq!(
+        read(&s.driver, *va, 1),
+        [FakeDriver::FILL],
+        "new memory before copy-in"
+    );
+    let copied = s.fast.copy_in(&image).unwrap();
+    assert_eq!(copied.bytes, out.bytes);
+    assert_eq!(copied.staging_bytes, CHUNK as u64);
+    s.fast.thaw().unwrap();
+
+    assert_eq!(s.allocator.addresses(), vas_before);
+    check(&s, &expected);
+    assert_eq!(s.gate.state(), GateState::Running);
+}
+
+#[test]
+fn delta_image_against_a_parent_restores_too() {
+    let s = setup();
+    let mut expected = populate(&s);
+    let root = tempfile::tempdir().unwrap();
+    let (full, delta) = (root.path().join("full"), root.path().join("delta"));
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&full, None).unwrap();
+    s.fast.thaw().unwrap();
+    // Change one allocation, then checkpoint against the first image.
+    let (va, data) = &mut expected[3];
+    data[5] ^= 0xff;
+    s.driver.copy_from_host(*va, data).unwrap();
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&delta, Some(&full)).unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    s.fast.copy_in(&delta).unwrap();
+    s.fast.thaw().unwrap();
+    check(&s, &expected);
+}
+
+#[test]
+fn new_work_waits_while_frozen() {
+    let s = setup();
+    s.fast.freeze().unwrap();
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let _guard = s.gate.enter();
+            s.allocator.alloc(10).unwrap();
+            done.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "allocation passed a frozen gate"
+        );
+        s.fast.thaw().unwrap();
+    });
+    assert!(done.load(Ordering::SeqCst));
+}
+
+#[test]
+fn unsupported_memory_refuses_the_fast_path() {
+    let s = setup();
+    populate(&s);
+    s.allocator
+        .record_unsupported(UnsupportedKind::Managed, 0x1000, 4096);
+    s.fast.freeze().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let err = s.fast.copy_out(&root.path().join("img"), None).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::UnsupportedMemory(ref v) if v.len() == 1),
+        "{err}"
+    );
+    assert!(matches!(
+        s.fast.release(),
+        Err(FastPathError::UnsupportedMemory(_))
+    ));
+    assert!(s.driver.physical_bytes() > 0, "nothing released");
+}
+
+#[test]
+fn driver_failure_during_copy_out_publishes_nothing() {
+    let s = setup();
+    populate(&s);
+    s.fast.freeze().unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.driver.fail_next(DriverCall::CopyToHost);
+    let err = s.fast.copy_out(&image, None).unwrap_err();
+    assert!(matches!(err, FastPathError::Driver(ref e) if e.call == DriverCall::CopyToHost));
+    assert!(!image.exists(), "a failed copy-out must not leave an image");
+    s.fast.copy_out(&image, None).unwrap();
+}
+
+#[test]
+fn copy_in_refuses_an_image_that_does_not_match() {
+    let s = setup();
+    let expected = populate(&s);
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&image, None).unwrap();
+    s.fast.thaw().unwrap();
+
+    // One allocation more than the image has.
+    let extra = s.allocator.alloc(100).unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::NotInImage { va } if va == extra),
+        "{err}"
+    );
+    s.allocator.free(extra).unwrap();
+    // One allocation fewer.
+    let (gone, _) = expected[0];
+    s.allocator.free(gone).unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::NotTracked { va } if va == gone),
+        "{err}"
+    );
+    // Released memory cannot be copied into.
+    let (va, _) = expected[1];
+    s.allocator.release(va).unwrap();
+    let root2 = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        s.fast.copy_out(&root2.path().join("x"), None),
+        Err(FastPathError::NotMapped { .. })
+    ));
+}
+
+#[test]
+fn failed_synchronize_leaves_the_gate_running() {
+    let s = setup();
+    s.driver.fail_next(DriverCall::Synchronize);
+    assert!(matches!(s.fast.freeze(), Err(FastPathError::Driver(_))));
+    assert_eq!(s.gate.state(), GateState::Running);
+}
+
+#[test]
+fn checkpoint_sequence_over_the_control_socket() {
+    let s = setup();
+    let expected = populate(&s);
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("gpu-state");
+    let path = socket_path(root.path(), 4242);
+    let Setup {
+        driver,
+        allocator,
+        gate,
+        fast,
+    } = s;
+    let controller = Arc::new(Mutex::new(Controller::new(fast)));
+    ControlServer::bind(&path)
+        .unwrap()
+        .spawn(controller.clone())
+        .unwrap();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let requests = [
+        Request::Freeze,
+        Request::CopyOut {
+            image_dir: image.clone(),
+            parent: None,
+        },
+        Request::Release,
+        Request::Status,
+        Request::Remap,
+        Request::CopyIn {
+            image_dir: image.clone(),
+        },
+        Request::Thaw,
+    ];
+    for req in &requests {
+        let reply = client.call(req).unwrap();
+        let Reply::Ok(outcome) = reply else {
+            panic!("{req:?}: {reply:?}");
+        };
+        if let Outcome::Status(status) = outcome {
+            assert_eq!(status.state, crate::protocol::CheckpointState::Released);
+            assert_eq!(status.gate, GateState::Frozen);
+            assert_eq!(status.released, expected.len());
+            assert_eq!(driver.physical_bytes(), 0);
+        }
+    }
+    check_memory(&driver, &allocator, &expected);
+    assert_eq!(gate.state(), GateState::Running);
+}
