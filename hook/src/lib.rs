@@ -1,4 +1,3 @@
-//! gpucr-hook: the in-container CUDA interceptor (see README.md).
 #![doc = include_str!("../README.md")]
 
 pub mod alloc;
