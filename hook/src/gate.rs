@@ -8,6 +8,7 @@
 //! so a freeze never waits on a thread that is itself waiting at the gate.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -69,21 +70,24 @@ impl GateState {
     }
 }
 
-#[derive(Debug)]
-struct Inner {
-    state: GateState,
-    /// Outermost guards alive.
-    in_flight: usize,
-}
-
 /// The freeze gate. See the module docs.
 ///
-/// Lock invariant: `inner` is held only for bookkeeping, never across GPU work or
-/// driver calls; `cond` is notified on every state change and when `in_flight` drops
-/// to zero.
+/// Fast path: `enter` is one atomic increment and two atomic loads while running, no
+/// lock (the gate sits in front of every kernel launch). Protocol (all `SeqCst`): an
+/// entering thread increments `in_flight` and then re-reads `state`, backing out if it
+/// is no longer Running; a freezer stores Freezing and then reads `in_flight`. One of
+/// the two always sees the other's write, so no work slips past a freeze.
+///
+/// Lock invariant: `state` is written only while `lock` is held; `cond` is notified
+/// under `lock` on every state change and when `in_flight` drops to zero while not
+/// running, so a waiter that checked under `lock` cannot miss the wakeup. The lock is
+/// never held across GPU work or driver calls.
 #[derive(Debug)]
 pub struct Gate {
-    inner: Mutex<Inner>,
+    state: AtomicU8,
+    /// Outermost guards alive (and, briefly, entries backing out).
+    in_flight: AtomicUsize,
+    lock: Mutex<()>,
     cond: Condvar,
 }
 
@@ -98,19 +102,42 @@ impl Default for Gate {
     }
 }
 
+impl GateState {
+    const ALL: [GateState; 4] = [
+        GateState::Running,
+        GateState::Freezing,
+        GateState::Frozen,
+        GateState::Thawing,
+    ];
+
+    fn from_u8(v: u8) -> GateState {
+        GateState::ALL[v as usize]
+    }
+}
+
 impl Gate {
     pub fn new() -> Gate {
         Gate {
-            inner: Mutex::new(Inner {
-                state: GateState::Running,
-                in_flight: 0,
-            }),
+            state: AtomicU8::new(GateState::Running as u8),
+            in_flight: AtomicUsize::new(0),
+            lock: Mutex::new(()),
             cond: Condvar::new(),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> MutexGuard<'_, ()> {
+        self.lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, guard: MutexGuard<'a, ()>) -> MutexGuard<'a, ()> {
+        self.cond.wait(guard).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies `event`; the caller holds `lock`.
+    fn transition(&self, _held: &MutexGuard<'_, ()>, event: GateEvent) -> Result<(), GateError> {
+        let next = self.state().on(event)?;
+        self.state.store(next as u8, Ordering::SeqCst);
+        Ok(())
     }
 
     fn key(&self) -> usize {
@@ -141,26 +168,43 @@ impl Gate {
 
     /// The current state.
     pub fn state(&self) -> GateState {
-        self.lock().state
+        GateState::from_u8(self.state.load(Ordering::SeqCst))
     }
 
-    /// Calls in flight now.
+    /// Calls in flight now (plus, for an instant, callers backing out of a closed gate).
     pub fn in_flight(&self) -> usize {
-        self.lock().in_flight
+        self.in_flight.load(Ordering::SeqCst)
     }
 
     /// Waits until the gate is running, then lets the caller's work in.
     pub fn enter(&self) -> GateGuard<'_> {
         let depth = self.depth();
         if depth == 0 {
-            let mut inner = self.lock();
-            while inner.state != GateState::Running {
-                inner = self.cond.wait(inner).unwrap_or_else(|p| p.into_inner());
+            loop {
+                if self.state() == GateState::Running {
+                    self.in_flight.fetch_add(1, Ordering::SeqCst);
+                    if self.state() == GateState::Running {
+                        break;
+                    }
+                    self.leave();
+                }
+                let mut held = self.lock();
+                while self.state() != GateState::Running {
+                    held = self.wait(held);
+                }
             }
-            inner.in_flight += 1;
         }
         self.set_depth(depth + 1);
         GateGuard { gate: self }
+    }
+
+    /// Drops one unit of work in flight, waking a freezer when it was the last.
+    fn leave(&self) {
+        let was = self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        if was == 1 && self.state() != GateState::Running {
+            let _held = self.lock();
+            self.cond.notify_all();
+        }
     }
 
     /// Stops new work and waits up to `timeout` for the work in flight to leave. On
@@ -170,36 +214,36 @@ impl Gate {
             return Err(GateError::FromInsideGate);
         }
         let start = Instant::now();
-        let mut inner = self.lock();
-        inner.state = inner.state.on(GateEvent::Freeze)?;
-        while inner.in_flight > 0 {
+        let mut held = self.lock();
+        self.transition(&held, GateEvent::Freeze)?;
+        while self.in_flight() > 0 {
             let left = timeout.saturating_sub(start.elapsed());
             if left.is_zero() {
-                let in_flight = inner.in_flight;
-                inner.state = inner.state.on(GateEvent::Abort)?;
+                let in_flight = self.in_flight();
+                self.transition(&held, GateEvent::Abort)?;
                 self.cond.notify_all();
                 return Err(GateError::Timeout {
                     waited: start.elapsed(),
                     in_flight,
                 });
             }
-            inner = self
+            held = self
                 .cond
-                .wait_timeout(inner, left)
+                .wait_timeout(held, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        inner.state = inner.state.on(GateEvent::Drained)?;
+        self.transition(&held, GateEvent::Drained)?;
         tracing::debug!(waited = ?start.elapsed(), "gate frozen");
         Ok(())
     }
 
     /// Lets new work in again.
     pub fn thaw(&self) -> Result<(), GateError> {
-        let mut inner = self.lock();
-        inner.state = inner.state.on(GateEvent::Thaw)?;
+        let held = self.lock();
+        self.transition(&held, GateEvent::Thaw)?;
         self.cond.notify_all();
-        inner.state = inner.state.on(GateEvent::Thawed)?;
+        self.transition(&held, GateEvent::Thawed)?;
         Ok(())
     }
 }
@@ -216,11 +260,7 @@ impl Drop for GateGuard<'_> {
         let depth = self.gate.depth().saturating_sub(1);
         self.gate.set_depth(depth);
         if depth == 0 {
-            let mut inner = self.gate.lock();
-            inner.in_flight -= 1;
-            if inner.in_flight == 0 {
-                self.gate.cond.notify_all();
-            }
+            self.gate.leave();
         }
     }
 }
@@ -228,7 +268,7 @@ impl Drop for GateGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
     use std::sync::{mpsc, Arc};
     use std::thread;
 
@@ -377,6 +417,49 @@ mod tests {
         freezer.join().unwrap().unwrap();
         worker.join().unwrap();
         assert_eq!(gate.in_flight(), 0);
+    }
+
+    #[test]
+    fn many_threads_never_pass_a_frozen_gate() {
+        let gate = Gate::new();
+        let stop = AtomicBool::new(false);
+        let inside_while_frozen = AtomicBool::new(false);
+        thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    while !stop.load(Ordering::SeqCst) {
+                        let _guard = gate.enter();
+                        if gate.state() == GateState::Frozen {
+                            inside_while_frozen.store(true, Ordering::SeqCst);
+                        }
+                    }
+                });
+            }
+            let mut result = Ok(());
+            for _ in 0..200 {
+                result = gate.freeze(LONG).and_then(|()| gate.thaw());
+                if result.is_err() {
+                    break;
+                }
+            }
+            // Never panic before `stop`: the workers would keep the scope open forever.
+            stop.store(true, Ordering::SeqCst);
+            result.unwrap();
+        });
+        assert!(!inside_while_frozen.load(Ordering::SeqCst));
+    }
+
+    /// `cargo test -p gpucr-hook --release -- --ignored --nocapture gate_overhead`
+    #[test]
+    #[ignore = "timing, not a check"]
+    fn gate_overhead() {
+        let gate = Gate::new();
+        let n = 10_000_000u32;
+        let start = Instant::now();
+        for _ in 0..n {
+            drop(std::hint::black_box(gate.enter()));
+        }
+        println!("enter+drop: {:?} each", start.elapsed() / n);
     }
 
     #[test]
