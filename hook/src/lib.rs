@@ -7,4 +7,5 @@ pub mod driver;
 pub mod fake;
 pub mod fastpath;
 pub mod gate;
+pub mod hook;
 pub mod protocol;
