@@ -2,6 +2,8 @@
 
 pub mod alloc;
 pub mod control;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod driver;
 #[cfg(any(test, feature = "fake"))]
 pub mod fake;
