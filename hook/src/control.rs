@@ -17,7 +17,8 @@ use thiserror::Error;
 
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, MAX_FRAME,
+    MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -205,7 +206,7 @@ impl ControlServer {
 /// Handles one connection's requests until it closes or sends an unreadable frame.
 fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Controller<E>>) {
     loop {
-        let reply = match read_frame(&mut stream) {
+        let reply = match read_frame(&mut stream, MAX_FRAME) {
             Ok(bytes) => match parse_request(&bytes) {
                 Ok(req) => controller
                     .lock()
@@ -219,6 +220,7 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
                 let _ = write_frame(
                     &mut stream,
                     &Reply::error(ErrorKind::FrameTooLarge, e.to_string()),
+                    MAX_REPLY_FRAME,
                 );
                 return;
             }
@@ -227,7 +229,7 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
                 return;
             }
         };
-        if let Err(e) = write_frame(&mut stream, &reply) {
+        if let Err(e) = write_frame(&mut stream, &reply, MAX_REPLY_FRAME) {
             tracing::debug!(error = %e, "control reply not delivered");
             return;
         }
@@ -250,7 +252,7 @@ impl ControlClient {
 
     /// Sends `req` and waits for the reply.
     pub fn call(&mut self, req: &Request) -> Result<Reply, ControlError> {
-        write_frame(&mut self.stream, req)?;
+        write_frame(&mut self.stream, req, MAX_FRAME)?;
         self.read_reply()
     }
 
@@ -264,7 +266,7 @@ impl ControlClient {
     }
 
     fn read_reply(&mut self) -> Result<Reply, ControlError> {
-        let bytes = read_frame(&mut self.stream)?;
+        let bytes = read_frame(&mut self.stream, MAX_REPLY_FRAME)?;
         Ok(serde_json::from_slice(&bytes).map_err(FrameError::from)?)
     }
 }

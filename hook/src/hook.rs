@@ -220,6 +220,20 @@ mod tests {
     }
 
     #[test]
+    fn a_status_larger_than_a_request_frame_is_delivered() {
+        let hook = hook();
+        for i in 0..5000u64 {
+            hook.record_unsupported(UnsupportedKind::Managed, 0x1000 * (i + 1), 4096);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut client = ControlClient::connect(&hook.serve(dir.path()).unwrap()).unwrap();
+        let Reply::Ok(Outcome::Status(status)) = client.call(&Request::Status).unwrap() else {
+            panic!("no status");
+        };
+        assert_eq!(status.unsupported.len(), 5000);
+    }
+
+    #[test]
     fn serves_its_socket_in_the_directory() {
         let hook = hook();
         hook.alloc(4096).unwrap();

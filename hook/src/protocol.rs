@@ -12,8 +12,10 @@ use thiserror::Error;
 use crate::alloc::Unsupported;
 use crate::gate::GateState;
 
-/// Largest frame either side accepts (requests carry two paths at most).
+/// Largest request frame the hook accepts (requests carry two paths at most).
 pub const MAX_FRAME: u32 = 64 << 10;
+/// Largest reply frame (a Status lists every unsupported allocation).
+pub const MAX_REPLY_FRAME: u32 = 16 << 20;
 
 /// A request on the control socket.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,8 +183,8 @@ impl Reply {
 /// Framing errors.
 #[derive(Debug, Error)]
 pub enum FrameError {
-    #[error("frame of {len} bytes is larger than {MAX_FRAME}")]
-    TooLarge { len: u32 },
+    #[error("frame of {len} bytes is larger than {max}")]
+    TooLarge { len: u64, max: u32 },
     #[error("connection closed")]
     Closed,
     #[error("frame I/O: {0}")]
@@ -191,8 +193,9 @@ pub enum FrameError {
     Json(#[from] serde_json::Error),
 }
 
-/// Reads one frame's bytes; [`FrameError::Closed`] at a clean end of stream.
-pub fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
+/// Reads one frame of at most `max` bytes; [`FrameError::Closed`] at a clean end of
+/// stream.
+pub fn read_frame(r: &mut impl Read, max: u32) -> Result<Vec<u8>, FrameError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -200,21 +203,27 @@ pub fn read_frame(r: &mut impl Read) -> Result<Vec<u8>, FrameError> {
         Err(e) => return Err(e.into()),
     }
     let len = u32::from_be_bytes(len);
-    if len > MAX_FRAME {
-        return Err(FrameError::TooLarge { len });
+    if len > max {
+        return Err(FrameError::TooLarge {
+            len: len.into(),
+            max,
+        });
     }
     let mut buf = vec![0u8; len as usize];
     r.read_exact(&mut buf)?;
     Ok(buf)
 }
 
-/// Writes `msg` as one frame.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> Result<(), FrameError> {
+/// Writes `msg` as one frame of at most `max` bytes.
+pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T, max: u32) -> Result<(), FrameError> {
     let bytes = serde_json::to_vec(msg)?;
     let len = u32::try_from(bytes.len())
         .ok()
-        .filter(|l| *l <= MAX_FRAME)
-        .ok_or(FrameError::TooLarge { len: u32::MAX })?;
+        .filter(|l| *l <= max)
+        .ok_or(FrameError::TooLarge {
+            len: bytes.len() as u64,
+            max,
+        })?;
     w.write_all(&len.to_be_bytes())?;
     w.write_all(&bytes)?;
     w.flush()?;
@@ -301,22 +310,25 @@ mod tests {
     #[test]
     fn frames_round_trip_and_refuse_oversize() {
         let mut buf = Vec::new();
-        write_frame(&mut buf, &Request::Freeze).unwrap();
+        write_frame(&mut buf, &Request::Freeze, MAX_FRAME).unwrap();
         let mut r = &buf[..];
         assert_eq!(
-            parse_request(&read_frame(&mut r).unwrap()).unwrap(),
+            parse_request(&read_frame(&mut r, MAX_FRAME).unwrap()).unwrap(),
             Request::Freeze
         );
-        assert!(matches!(read_frame(&mut r), Err(FrameError::Closed)));
+        assert!(matches!(
+            read_frame(&mut r, MAX_FRAME),
+            Err(FrameError::Closed)
+        ));
 
         let huge = (MAX_FRAME + 1).to_be_bytes();
         assert!(matches!(
-            read_frame(&mut &huge[..]),
+            read_frame(&mut &huge[..], MAX_FRAME),
             Err(FrameError::TooLarge { .. })
         ));
         let short = [0, 0, 0, 10, b'{'];
         assert!(matches!(
-            read_frame(&mut &short[..]),
+            read_frame(&mut &short[..], MAX_FRAME),
             Err(FrameError::Io(_))
         ));
     }
