@@ -32,8 +32,8 @@ struct State {
     physical: HashMap<PhysHandle, Vec<u8>>,
     /// Mapping start → mapping.
     mappings: BTreeMap<u64, Mapping>,
-    /// Calls that fail once, for error-path tests.
-    fail_next: Vec<DriverCall>,
+    /// Calls that fail once after skipping some successful ones, for error-path tests.
+    fail_next: Vec<(DriverCall, usize)>,
     /// Most bytes of physical memory alive at one time.
     peak_physical: u64,
 }
@@ -76,7 +76,12 @@ impl FakeDriver {
 
     /// Makes the next call of `call` fail with `CUDA_ERROR_INVALID_VALUE`.
     pub fn fail_next(&self, call: DriverCall) {
-        self.lock().fail_next.push(call);
+        self.fail_nth(call, 0);
+    }
+
+    /// Lets `skip` calls of `call` succeed, then fails the next one.
+    pub fn fail_nth(&self, call: DriverCall, skip: usize) {
+        self.lock().fail_next.push((call, skip));
     }
 
     /// Bytes of physical memory alive now.
@@ -100,10 +105,14 @@ impl FakeDriver {
     }
 
     fn check(state: &mut State, call: DriverCall) -> Result<(), DriverError> {
-        if let Some(i) = state.fail_next.iter().position(|c| *c == call) {
+        let Some(i) = state.fail_next.iter().position(|(c, _)| *c == call) else {
+            return Ok(());
+        };
+        if state.fail_next[i].1 == 0 {
             state.fail_next.remove(i);
             return Err(invalid(call));
         }
+        state.fail_next[i].1 -= 1;
         Ok(())
     }
 
@@ -373,6 +382,10 @@ mod tests {
         let d = FakeDriver::default();
         d.fail_next(DriverCall::Create);
         assert_eq!(d.create(G).unwrap_err().call, DriverCall::Create);
+        assert!(d.create(G).is_ok());
+        d.fail_nth(DriverCall::Create, 1);
+        assert!(d.create(G).is_ok());
+        assert!(d.create(G).is_err());
         assert!(d.create(G).is_ok());
     }
 }

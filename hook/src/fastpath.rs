@@ -6,8 +6,8 @@
 //! directly (`write_chunk_with`, at most `max_in_flight` of them), copy-in goes through
 //! one buffer of the image's chunk size. Nothing holds a copy of all device memory.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpu_state::image::{
@@ -46,6 +46,18 @@ pub enum FastPathError {
     },
     #[error("allocation {va:#x} is {state:?}; copies need it mapped")]
     NotMapped { va: DevicePtr, state: AllocState },
+    #[error("release of {va:#x} failed ({source}); {undo}")]
+    ReleaseFailed {
+        va: DevicePtr,
+        #[source]
+        source: AllocError,
+        /// What happened to the allocations released before it.
+        undo: String,
+    },
+    #[error("no copy-out image to restore released memory from")]
+    NoImage,
+    #[error("{count} allocation(s) have no physical memory; Remap and CopyIn before Thaw")]
+    ReleasedMemory { count: usize },
 }
 
 /// How the fast path runs.
@@ -74,6 +86,8 @@ pub struct FastPath<D> {
     allocator: Arc<Allocator<D>>,
     gate: Arc<Gate>,
     opts: FastPathOptions,
+    /// The last image copied out, to undo a release that failed half-way.
+    last_image: Mutex<Option<PathBuf>>,
 }
 
 impl<D: VmmDriver> FastPath<D> {
@@ -82,6 +96,7 @@ impl<D: VmmDriver> FastPath<D> {
             allocator,
             gate,
             opts,
+            last_image: Mutex::new(None),
         }
     }
 
@@ -140,6 +155,7 @@ impl<D: VmmDriver> FastPath<D> {
         }
         let stats = writer.stats();
         writer.finish()?;
+        *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
         let report = CopyOutReport {
             allocations: allocs.len(),
             bytes,
@@ -178,9 +194,63 @@ impl<D: VmmDriver> FastPath<D> {
     }
 
     /// Releases the physical memory of every mapped allocation; the VA ranges stay.
-    /// Retrying after a failure releases what is still mapped.
+    /// All or nothing: when one fails, the ones released before it are re-mapped and
+    /// refilled from the last copy-out image.
     pub fn release(&self) -> Result<MemoryReport, FastPathError> {
-        self.for_each_in(AllocState::Mapped, |va| self.allocator.release(va))
+        let mut report = MemoryReport {
+            allocations: 0,
+            bytes: 0,
+        };
+        let mut released = Vec::new();
+        for alloc in self
+            .movable()?
+            .into_iter()
+            .filter(|a| a.state == AllocState::Mapped)
+        {
+            if let Err(source) = self.allocator.release(alloc.va) {
+                // Unmapped but not released still counts: its memory is gone.
+                if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
+                    released.push(alloc.clone());
+                }
+                let undo = match self.undo_release(&released) {
+                    Ok(()) => format!("{} released allocation(s) restored", released.len()),
+                    Err(e) => format!("restoring the released allocations failed: {e}"),
+                };
+                return Err(FastPathError::ReleaseFailed {
+                    va: alloc.va,
+                    source,
+                    undo,
+                });
+            }
+            report.allocations += 1;
+            report.bytes += alloc.mapped_size;
+            released.push(alloc);
+        }
+        Ok(report)
+    }
+
+    /// Re-maps `released` and refills them from the last copy-out image.
+    fn undo_release(&self, released: &[Allocation]) -> Result<(), FastPathError> {
+        if released.is_empty() {
+            return Ok(());
+        }
+        let dir = self
+            .last_image
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or(FastPathError::NoImage)?;
+        let reader = ImageReader::open(&dir)?;
+        for alloc in released {
+            self.allocator.remap(alloc.va)?;
+        }
+        let now: Vec<Allocation> = released
+            .iter()
+            .filter_map(|a| self.allocator.get(a.va))
+            .collect();
+        let plan = self.match_image(&reader, &now, false)?;
+        self.fill(&reader, &now, &plan)?;
+        Ok(())
     }
 
     /// Creates physical memory again at the VA of every released allocation.
@@ -211,35 +281,49 @@ impl<D: VmmDriver> FastPath<D> {
         let start = Instant::now();
         let allocs = self.movable()?;
         let reader = ImageReader::open(image_dir)?;
-        let plan = self.match_image(&reader, &allocs)?;
-        let chunk = reader.manifest().chunk_size;
-        let mut staging = vec![0u8; chunk as usize];
-        let mut bytes = 0;
-        for (alloc, id) in allocs.iter().zip(plan) {
-            let chunks = reader.allocations()[id.0].chunks.len();
-            for index in 0..chunks {
-                let len = reader.read_chunk_into(id, index, &mut staging)?;
-                self.driver()
-                    .copy_from_host(alloc.va + index as u64 * chunk, &staging[..len])?;
-            }
-            bytes += alloc.size;
-        }
-        self.driver().synchronize()?;
+        let plan = self.match_image(&reader, &allocs, true)?;
+        let (bytes, staging_bytes) = self.fill(&reader, &allocs, &plan)?;
         let report = CopyInReport {
             allocations: allocs.len(),
             bytes,
-            staging_bytes: staging.len() as u64,
+            staging_bytes,
             seconds: start.elapsed().as_secs_f64(),
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
     }
 
-    /// The image allocation of each tracked allocation, checked before anything is copied.
+    /// Copies each allocation's image data in through one chunk-sized staging buffer;
+    /// returns the bytes copied and the staging buffer's size.
+    fn fill(
+        &self,
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        plan: &[AllocId],
+    ) -> Result<(u64, u64), FastPathError> {
+        let chunk = reader.manifest().chunk_size;
+        let mut staging = vec![0u8; chunk as usize];
+        let mut bytes = 0;
+        for (alloc, id) in allocs.iter().zip(plan) {
+            let chunks = reader.allocations()[id.0].chunks.len();
+            for index in 0..chunks {
+                let len = reader.read_chunk_into(*id, index, &mut staging)?;
+                self.driver()
+                    .copy_from_host(alloc.va + index as u64 * chunk, &staging[..len])?;
+            }
+            bytes += alloc.size;
+        }
+        self.driver().synchronize()?;
+        Ok((bytes, staging.len() as u64))
+    }
+
+    /// The image allocation of each of `allocs`, checked before anything is copied;
+    /// with `exact`, the image must not hold allocations this process does not track.
     fn match_image(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
+        exact: bool,
     ) -> Result<Vec<AllocId>, FastPathError> {
         let mut plan = Vec::with_capacity(allocs.len());
         for alloc in allocs {
@@ -262,18 +346,27 @@ impl<D: VmmDriver> FastPath<D> {
             }
             plan.push(id);
         }
-        if let Some(extra) = reader
+        let extra = reader
             .allocations()
             .iter()
-            .find(|a| a.tags.pid == self.opts.pid && !allocs.iter().any(|t| t.va == a.va))
-        {
+            .find(|a| a.tags.pid == self.opts.pid && !allocs.iter().any(|t| t.va == a.va));
+        if let (true, Some(extra)) = (exact, extra) {
             return Err(FastPathError::NotTracked { va: extra.va });
         }
         Ok(plan)
     }
 
-    /// Lets GPU work go on.
+    /// Lets GPU work go on; refused while any allocation has no physical memory.
     pub fn thaw(&self) -> Result<(), FastPathError> {
+        let count = self
+            .allocator
+            .table()
+            .iter()
+            .filter(|a| a.state == AllocState::Released)
+            .count();
+        if count > 0 {
+            return Err(FastPathError::ReleasedMemory { count });
+        }
         Ok(self.gate.thaw()?)
     }
 }

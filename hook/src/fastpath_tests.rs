@@ -310,3 +310,43 @@ fn checkpoint_sequence_over_the_control_socket() {
     check_memory(&driver, &allocator, &expected);
     assert_eq!(gate.state(), GateState::Running);
 }
+
+#[test]
+fn a_release_failing_half_way_is_undone_from_the_image() {
+    let s = setup();
+    let expected = populate(&s);
+    let physical = s.driver.physical_bytes();
+    let root = tempfile::tempdir().unwrap();
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&root.path().join("img"), None).unwrap();
+    s.driver.fail_nth(DriverCall::Release, 3);
+    let err = s.fast.release().unwrap_err();
+    assert!(matches!(err, FastPathError::ReleaseFailed { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("4 released allocation(s) restored"),
+        "{err}"
+    );
+    // Everything mapped again with its contents (the failed one's handle is leaked).
+    check(&s, &expected);
+    assert!(s.driver.physical_bytes() >= physical);
+    s.fast.thaw().unwrap();
+}
+
+#[test]
+fn thaw_is_refused_while_memory_is_released() {
+    let s = setup();
+    let expected = populate(&s);
+    s.fast.freeze().unwrap();
+    s.allocator.release(expected[0].0).unwrap();
+    let err = s.fast.thaw().unwrap_err();
+    assert!(
+        matches!(err, FastPathError::ReleasedMemory { count: 1 }),
+        "{err}"
+    );
+    assert_eq!(s.gate.state(), GateState::Frozen);
+    // Without an image there is nothing to undo a failed release from.
+    s.driver.fail_next(DriverCall::Release);
+    let err = s.fast.release().unwrap_err();
+    assert!(err.to_string().contains("no copy-out image"), "{err}");
+}
