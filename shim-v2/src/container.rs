@@ -74,6 +74,22 @@ fn read_pid(path: &Path) -> Result<u32> {
     })
 }
 
+/// Drains a process's output (bounded), then records its exit once: the exit event follows
+/// the output. `None` when the exit was already recorded.
+async fn record_exit(
+    mut io: crate::io::ProcessIo,
+    cell: &ExitCell,
+    status: i32,
+    at: SystemTime,
+) -> Option<ExitInfo> {
+    io.wait_outputs(OUTPUT_DRAIN).await;
+    let info = ExitInfo {
+        status: status as u32,
+        at,
+    };
+    cell.set(info).then_some(info)
+}
+
 /// The annotations of the bundle's OCI spec (empty when it cannot be read).
 pub fn spec_annotations(bundle: &Path) -> HashMap<String, String> {
     std::fs::read(bundle.join("config.json"))
@@ -429,14 +445,9 @@ impl Container {
             Ok(next) => init.state = next,
             Err(_) => return None, // deleted already: reported by Delete
         }
-        let mut io = std::mem::take(&mut init.io);
+        let io = std::mem::take(&mut init.io);
         drop(init);
-        io.wait_outputs(OUTPUT_DRAIN).await;
-        let info = ExitInfo {
-            status: status as u32,
-            at,
-        };
-        self.init_exit.set(info).then_some(info)
+        record_exit(io, &self.init_exit, status, at).await
     }
 
     pub async fn state(&self) -> InitState {
@@ -552,13 +563,8 @@ impl Container {
     ) -> Option<ExitInfo> {
         let mut inner = p.inner.lock().await;
         inner.state = inner.state.next(Verb::Exit).ok()?;
-        let mut io = std::mem::take(&mut inner.io);
+        let io = std::mem::take(&mut inner.io);
         drop(inner);
-        io.wait_outputs(OUTPUT_DRAIN).await;
-        let info = ExitInfo {
-            status: status as u32,
-            at,
-        };
-        p.exit.set(info).then_some(info)
+        record_exit(io, &p.exit, status, at).await
     }
 }
