@@ -18,7 +18,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, LOCKED, RUNNING};
 use gpucr_tests::image::MEDIA_CRIU_TAR;
-use gpucr_tests::shim_client::CheckpointFlags;
+use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
 
@@ -93,6 +93,21 @@ fn start(plugins: Plugins) -> Option<Gpu> {
 }
 
 impl Gpu {
+    /// A checkpoint with `exit` (into `image_path` when given); returns once the task stopped.
+    fn checkpoint_exit(&self, id: &str, image_path: Option<&Path>) -> CheckpointOutcome {
+        let flags = CheckpointFlags {
+            exit: true,
+            image_path,
+            ..Default::default()
+        };
+        let outcome = self
+            .ctd
+            .checkpoint_with_flags(id, &flags)
+            .expect("checkpoint --exit");
+        self.ctd.wait_status(id, "STOPPED").unwrap();
+        outcome
+    }
+
     /// Runs the counter (with extra `ctr run` flags) and waits until it has counted a bit;
     /// returns the task's init pid.
     fn counter(&self, id: &str, flags: &[&str]) -> u32 {
@@ -308,15 +323,7 @@ fn restore_resumes_the_restored_cuda_processes() {
     g.script(&[pid], "");
     let spec = g.ctd.container_spec(&id).unwrap();
     let before = g.ctd.read_counter(&id).unwrap();
-    let flags = CheckpointFlags {
-        exit: true,
-        ..Default::default()
-    };
-    let checkpoint = g
-        .ctd
-        .checkpoint_with_flags(&id, &flags)
-        .expect("checkpoint --exit");
-    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    let checkpoint = g.checkpoint_exit(&id, None);
     assert_eq!(g.fake.calls_of(pid), ["lock -> 0", "checkpoint -> 0"]);
     assert_eq!(g.fake.states().get(&pid), Some(&CHECKPOINTED));
 
@@ -362,15 +369,7 @@ fn failed_gpu_restore_leaves_nothing_behind() {
     let spec = g.ctd.container_spec(&id).unwrap();
     let before = g.ctd.read_counter(&id).unwrap();
     let dir = g.ctd.dir().join("restorefail-images");
-    let flags = CheckpointFlags {
-        exit: true,
-        image_path: Some(&dir),
-        ..Default::default()
-    };
-    g.ctd
-        .checkpoint_with_flags(&id, &flags)
-        .expect("checkpoint --exit");
-    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    g.checkpoint_exit(&id, Some(&dir));
     g.ctd.remove_container(&id).unwrap();
 
     // CRIU restores the tree, then the driver refuses to give the device memory back.
@@ -651,15 +650,7 @@ fn restore_is_refused_for_other_gpus_and_damaged_images() {
     let spec = g.ctd.container_spec(&id).unwrap();
     let before = g.ctd.read_counter(&id).unwrap();
     let dir = g.ctd.dir().join("refuse-images");
-    let flags = CheckpointFlags {
-        exit: true,
-        image_path: Some(&dir),
-        ..Default::default()
-    };
-    g.ctd
-        .checkpoint_with_flags(&id, &flags)
-        .expect("checkpoint");
-    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    g.checkpoint_exit(&id, Some(&dir));
     g.ctd.remove_container(&id).unwrap();
 
     // The checkpoint "ran" on an H200; this host has no NVIDIA GPU.
@@ -766,15 +757,7 @@ fn criu_plugin_quiesces_and_the_shim_does_not() {
 
     // Exit, then restore: the plugin resumes the new pids, once each.
     let before = g.ctd.read_counter(&id).unwrap();
-    let flags = CheckpointFlags {
-        exit: true,
-        ..Default::default()
-    };
-    let checkpoint = g
-        .ctd
-        .checkpoint_with_flags(&id, &flags)
-        .expect("checkpoint --exit");
-    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    let checkpoint = g.checkpoint_exit(&id, None);
     let mut cycle_then_dump = FULL_CYCLE.to_vec();
     cycle_then_dump.extend(["lock -> 0", "checkpoint -> 0"]);
     assert_eq!(g.fake.calls_of(pid), cycle_then_dump, "{:#?}", g.fake.log());
