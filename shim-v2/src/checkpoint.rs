@@ -343,7 +343,7 @@ fn write_manifest(id: &str, image: &Path, leave_running: bool, dump_ms: u64) -> 
     let manifest = Manifest {
         version: MANIFEST_VERSION,
         container_id: id.to_string(),
-        created_at: humantime_now(),
+        created_at: unix_seconds_now(),
         leave_running,
         dump_ms,
         files: scan(image)?,
@@ -353,7 +353,7 @@ fn write_manifest(id: &str, image: &Path, leave_running: bool, dump_ms: u64) -> 
     std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
 }
 
-fn humantime_now() -> String {
+fn unix_seconds_now() -> String {
     let d = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

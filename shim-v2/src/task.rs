@@ -213,7 +213,6 @@ impl TaskService {
         let bundle = PathBuf::from(&req.bundle);
         crate::service::write_bundle_options(&bundle, &opts)?;
         let non_empty = |s: &str| Some(PathBuf::from(s)).filter(|p| !p.as_os_str().is_empty());
-        let checkpoint = non_empty(&req.checkpoint).or_else(|| non_empty(&opts.criu_image_path));
         let cfg = CreateConfig {
             id: req.id.clone(),
             bundle: bundle.clone(),
@@ -225,11 +224,7 @@ impl TaskService {
                 stderr: req.stderr.clone(),
                 terminal: req.terminal,
             },
-            checkpoint: if req.checkpoint.is_empty() {
-                None
-            } else {
-                checkpoint
-            },
+            checkpoint: non_empty(&req.checkpoint),
             parent_checkpoint: non_empty(&req.parent_checkpoint),
             opts,
         };
