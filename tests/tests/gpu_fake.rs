@@ -93,6 +93,15 @@ fn start(plugins: Plugins) -> Option<Gpu> {
 }
 
 impl Gpu {
+    /// Pids the fake driver was called for, other than `pid` (a restored tree's new pids).
+    fn pids_other_than(&self, pid: u32) -> Vec<u32> {
+        self.fake
+            .called_pids()
+            .into_iter()
+            .filter(|p| *p != pid)
+            .collect()
+    }
+
     /// A checkpoint with `exit` (into `image_path` when given); returns once the task stopped.
     fn checkpoint_exit(&self, id: &str, image_path: Option<&Path>) -> CheckpointOutcome {
         let flags = CheckpointFlags {
@@ -335,12 +344,7 @@ fn restore_resumes_the_restored_cuda_processes() {
         .restore_outcome(&id, &checkpoint, &g.image, &spec)
         .expect("restore");
     let new_pid = g.ctd.task_pid(&id).unwrap();
-    let restored: Vec<u32> = g
-        .fake
-        .called_pids()
-        .into_iter()
-        .filter(|p| *p != pid)
-        .collect();
+    let restored = g.pids_other_than(pid);
     assert!(
         restored.contains(&new_pid),
         "restored init {new_pid} was not resumed: {:#?}",
@@ -769,12 +773,7 @@ fn criu_plugin_quiesces_and_the_shim_does_not() {
         .restore_outcome(&id, &checkpoint, &g.image, &spec)
         .expect("restore");
     let new_pid = g.ctd.task_pid(&id).unwrap();
-    let restored: Vec<u32> = g
-        .fake
-        .called_pids()
-        .into_iter()
-        .filter(|p| *p != pid)
-        .collect();
+    let restored = g.pids_other_than(pid);
     assert!(restored.contains(&new_pid), "{:#?}", g.fake.log());
     for p in &restored {
         assert_eq!(
