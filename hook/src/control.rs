@@ -6,8 +6,14 @@
 //! A bad message (garbage, oversized frame, unknown verb, a verb out of order) gets an
 //! error reply and changes nothing; a verb whose engine call fails leaves the state as
 //! it was, so it can be retried (or the shim thaws and falls back to the driver path).
+//!
+//! Image directories may come as fds with the request (see [`crate::protocol`]): the
+//! controller turns the request's relative paths into `/proc/self/fd/<n>/...` paths and
+//! holds the fds only as long as the protocol says.
 
-use std::io;
+use std::fs::File;
+use std::io::{self, IoSlice, IoSliceMut};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -17,8 +23,8 @@ use thiserror::Error;
 
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, MAX_FRAME,
-    MAX_REPLY_FRAME,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, MAX_FDS,
+    MAX_FRAME, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -46,6 +52,8 @@ pub enum ControlError {
     },
     #[error(transparent)]
     Frame(#[from] FrameError),
+    #[error("{0}")]
+    BadFds(String),
 }
 
 impl CheckpointState {
@@ -71,6 +79,9 @@ impl CheckpointState {
 pub struct Controller<E> {
     state: CheckpointState,
     engine: E,
+    /// The fds of the last CopyOut, held while CopiedOut: a Release that fails half-way
+    /// refills the released allocations from that image, through these fds' paths.
+    held: Vec<OwnedFd>,
 }
 
 impl<E: Engine> Controller<E> {
@@ -78,6 +89,7 @@ impl<E: Engine> Controller<E> {
         Controller {
             state: CheckpointState::Running,
             engine,
+            held: Vec::new(),
         }
     }
 
@@ -91,22 +103,46 @@ impl<E: Engine> Controller<E> {
 
     /// Runs one request; the state moves only when the verb succeeded.
     pub fn handle(&mut self, req: &Request) -> Reply {
+        self.handle_with_fds(req, Vec::new())
+    }
+
+    /// Runs one request that came with `fds` (see [`crate::protocol`]): its relative
+    /// paths are resolved against them. The fds are closed after the verb, except those
+    /// of a successful CopyOut, which are held while CopiedOut.
+    pub fn handle_with_fds(&mut self, req: &Request, fds: Vec<OwnedFd>) -> Reply {
         let next = match self.state.on(req.verb()) {
             Ok(next) => next,
             Err(e) => return Reply::error(ErrorKind::IllegalInState, e.to_string()),
         };
-        let outcome = self.run(req);
-        match outcome {
+        let req = match resolve_fd_paths(req, &fds) {
+            Ok(req) => req,
+            Err(e) => return Reply::error(ErrorKind::BadRequest, e.to_string()),
+        };
+        let outcome = self.run(&req);
+        let reply = match outcome {
             Ok(outcome) => {
                 tracing::debug!(verb = ?req.verb(), from = ?self.state, to = ?next, "control verb done");
                 self.state = next;
+                if req.verb() == Verb::CopyOut {
+                    self.held = fds;
+                }
                 Reply::Ok(outcome)
             }
             Err(e) => {
                 tracing::warn!(verb = ?req.verb(), state = ?self.state, error = %e, "control verb failed");
                 Reply::error(ErrorKind::Failed, error_chain(&e))
             }
+        };
+        if self.state != CheckpointState::CopiedOut {
+            // Closed before the dump: CRIU cannot dump fds of host directories.
+            self.held.clear();
         }
+        reply
+    }
+
+    /// How many fds the controller holds (those of the last CopyOut, while CopiedOut).
+    pub fn held_fds(&self) -> usize {
+        self.held.len()
     }
 
     fn run(&self, req: &Request) -> Result<Outcome, E::Error> {
@@ -122,6 +158,66 @@ impl<E: Engine> Controller<E> {
             Request::Thaw => e.thaw().map(|()| Outcome::Thawed)?,
             Request::Status => Outcome::Status(e.status(self.state)),
         })
+    }
+}
+
+/// `/proc/self/fd/<fd>/<rel>`, `rel` being relative and staying inside the directory
+/// (`.` is the directory itself).
+fn fd_path(fd: &OwnedFd, rel: &Path, what: &str) -> Result<PathBuf, ControlError> {
+    use std::path::Component;
+    let inside = rel
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    if !inside {
+        return Err(ControlError::BadFds(format!(
+            "{what} {} must be a path inside the directory passed as an fd \
+             (relative, no ..)",
+            rel.display()
+        )));
+    }
+    let base = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+    Ok(rel
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .fold(base, |p, c| p.join(c)))
+}
+
+/// The request with its relative paths resolved against `fds`; unchanged without fds.
+fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlError> {
+    if fds.is_empty() {
+        return Ok(req.clone());
+    }
+    let bad = |msg: String| ControlError::BadFds(msg);
+    if fds.len() > MAX_FDS {
+        return Err(bad(format!("{} fds sent, at most {MAX_FDS}", fds.len())));
+    }
+    match (req, fds) {
+        (Request::CopyOut { image_dir, parent }, [dir, rest @ ..]) => {
+            let parent = match (parent, rest) {
+                (None, []) => None,
+                (Some(p), [pfd]) => Some(fd_path(pfd, p, "parent")?),
+                (Some(p), []) if p.is_absolute() => Some(p.clone()),
+                _ => {
+                    return Err(bad(
+                        "CopyOut with fds: send the parent's fd as the second fd, \
+                         with a relative parent path"
+                            .into(),
+                    ))
+                }
+            };
+            Ok(Request::CopyOut {
+                image_dir: fd_path(dir, image_dir, "image_dir")?,
+                parent,
+            })
+        }
+        (Request::CopyIn { image_dir }, [dir]) => Ok(Request::CopyIn {
+            image_dir: fd_path(dir, image_dir, "image_dir")?,
+        }),
+        (req, fds) => Err(bad(format!(
+            "{:?} does not take {} fd(s) (CopyOut takes 1 or 2, CopyIn 1)",
+            req.verb(),
+            fds.len()
+        ))),
     }
 }
 
@@ -206,12 +302,12 @@ impl ControlServer {
 /// Handles one connection's requests until it closes or sends an unreadable frame.
 fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Controller<E>>) {
     loop {
-        let reply = match read_frame(&mut stream, MAX_FRAME) {
-            Ok(bytes) => match parse_request(&bytes) {
+        let reply = match recv_frame(&stream, MAX_FRAME) {
+            Ok((bytes, fds)) => match parse_request(&bytes) {
                 Ok(req) => controller
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .handle(&req),
+                    .handle_with_fds(&req, fds),
                 Err(e) => Reply::Error(e),
             },
             Err(FrameError::Closed) => return,
@@ -236,6 +332,75 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
     }
 }
 
+/// Reads one frame and the fds that came with it (SCM_RIGHTS, close-on-exec).
+fn recv_frame(stream: &UnixStream, max: u32) -> Result<(Vec<u8>, Vec<OwnedFd>), FrameError> {
+    let mut fds = Vec::new();
+    let mut len = [0u8; 4];
+    if !recv_exact(stream, &mut len, &mut fds)? {
+        return Err(FrameError::Closed);
+    }
+    let len = u32::from_be_bytes(len);
+    if len > max {
+        return Err(FrameError::TooLarge {
+            len: len.into(),
+            max,
+        });
+    }
+    let mut buf = vec![0u8; len as usize];
+    if !recv_exact(stream, &mut buf, &mut fds)? {
+        return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+    }
+    Ok((buf, fds))
+}
+
+/// Fills `buf` with recvmsg, collecting fds; `false` at end of stream before any byte.
+fn recv_exact(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> Result<bool, FrameError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut filled = 0;
+    while filled < buf.len() {
+        let mut space = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
+        let mut iov = [IoSliceMut::new(&mut buf[filled..])];
+        let msg = match recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(msg) => msg,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(io::Error::from(e).into()),
+        };
+        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        for cmsg in msg.cmsgs().map_err(io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(raw) = cmsg {
+                // SAFETY: the kernel just installed these fds in this process; we own them.
+                fds.extend(
+                    raw.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        if truncated {
+            return Err(io::Error::other(format!(
+                "more fds than the {MAX_FDS} a request may carry"
+            ))
+            .into());
+        }
+        if msg.bytes == 0 {
+            if filled == 0 {
+                return Ok(false);
+            }
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+        }
+        filled += msg.bytes;
+    }
+    Ok(true)
+}
+
 /// A client of the control socket (the shim's side; also used by tests).
 pub struct ControlClient {
     stream: UnixStream,
@@ -254,6 +419,72 @@ impl ControlClient {
     pub fn call(&mut self, req: &Request) -> Result<Reply, ControlError> {
         write_frame(&mut self.stream, req, MAX_FRAME)?;
         self.read_reply()
+    }
+
+    /// Sends `req` with `fds` (SCM_RIGHTS on the frame's first bytes) and waits for the
+    /// reply. The hook gets its own copies; the caller's stay open.
+    pub fn call_with_fds(
+        &mut self,
+        req: &Request,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<Reply, ControlError> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let body = serde_json::to_vec(req).map_err(FrameError::from)?;
+        let len = u32::try_from(body.len())
+            .ok()
+            .filter(|l| *l <= MAX_FRAME)
+            .ok_or(FrameError::TooLarge {
+                len: body.len() as u64,
+                max: MAX_FRAME,
+            })?;
+        let mut frame = len.to_be_bytes().to_vec();
+        frame.extend_from_slice(&body);
+        let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+        let cmsgs = [ControlMessage::ScmRights(&raw)];
+        let cmsgs = if raw.is_empty() { &[][..] } else { &cmsgs[..] };
+        let sent = loop {
+            match sendmsg::<()>(
+                self.stream.as_raw_fd(),
+                &[IoSlice::new(&frame)],
+                cmsgs,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            ) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                other => break other.map_err(|e| FrameError::from(io::Error::from(e)))?,
+            }
+        };
+        // The fds went with the first byte; the rest of a short write follows plainly.
+        use std::io::Write;
+        self.stream
+            .write_all(&frame[sent..])
+            .map_err(FrameError::from)?;
+        self.read_reply()
+    }
+
+    /// CopyOut into a new image `name` inside the directory `dir` (an open directory of
+    /// the caller's, passed as an fd), as a delta of the image `parent` when given.
+    pub fn copy_out_fd(
+        &mut self,
+        dir: &File,
+        name: &Path,
+        parent: Option<&File>,
+    ) -> Result<Reply, ControlError> {
+        let mut fds = vec![dir.as_fd()];
+        fds.extend(parent.map(|p| p.as_fd()));
+        let req = Request::CopyOut {
+            image_dir: name.to_path_buf(),
+            parent: parent.map(|_| PathBuf::from(".")),
+        };
+        self.call_with_fds(&req, &fds)
+    }
+
+    /// CopyIn from the image that the open directory `image` is.
+    pub fn copy_in_fd(&mut self, image: &File) -> Result<Reply, ControlError> {
+        let req = Request::CopyIn {
+            image_dir: PathBuf::from("."),
+        };
+        self.call_with_fds(&req, &[image.as_fd()])
     }
 
     /// Sends raw frame bytes (for tests of bad input) and reads the reply.

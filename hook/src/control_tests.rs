@@ -7,6 +7,8 @@ use std::fmt;
 struct StubEngine {
     calls: Mutex<Vec<Verb>>,
     fail: Mutex<Option<Verb>>,
+    /// The image paths CopyOut and CopyIn were given.
+    paths: Mutex<Vec<PathBuf>>,
 }
 
 #[derive(Debug)]
@@ -41,7 +43,11 @@ impl Engine for StubEngine {
     fn freeze(&self) -> Result<(), StubError> {
         self.step(Verb::Freeze)
     }
-    fn copy_out(&self, _: &Path, _: Option<&Path>) -> Result<CopyOutReport, StubError> {
+    fn copy_out(&self, dir: &Path, parent: Option<&Path>) -> Result<CopyOutReport, StubError> {
+        let mut paths = self.paths.lock().unwrap();
+        paths.push(dir.to_path_buf());
+        paths.extend(parent.map(Path::to_path_buf));
+        drop(paths);
         self.step(Verb::CopyOut).map(|()| CopyOutReport {
             allocations: 1,
             bytes: 10,
@@ -55,7 +61,8 @@ impl Engine for StubEngine {
     fn remap(&self) -> Result<MemoryReport, StubError> {
         self.step(Verb::Remap).map(|()| mem())
     }
-    fn copy_in(&self, _: &Path) -> Result<CopyInReport, StubError> {
+    fn copy_in(&self, dir: &Path) -> Result<CopyInReport, StubError> {
+        self.paths.lock().unwrap().push(dir.to_path_buf());
         self.step(Verb::CopyIn).map(|()| CopyInReport {
             allocations: 1,
             bytes: 10,
@@ -270,4 +277,246 @@ fn bind_replaces_a_stale_socket() {
     assert!(path.exists());
     let server = ControlServer::bind(&path).unwrap();
     assert_eq!(server.path(), path);
+}
+
+// --- directories passed as fds ---
+
+/// A pipe whose write end goes to the hook: the read end sees EOF once every copy of
+/// the write end is closed, which tells whether the hook still holds the fd.
+fn pipe() -> (File, OwnedFd) {
+    let (r, w) = nix::unistd::pipe().unwrap();
+    nix::fcntl::fcntl(
+        &r,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .unwrap();
+    (File::from(r), w)
+}
+
+/// Whether someone still holds the pipe's write end.
+fn held(read_end: &mut File) -> bool {
+    use std::io::Read;
+    match read_end.read(&mut [0u8; 1]) {
+        Ok(0) => false,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => true,
+        other => panic!("unexpected pipe read {other:?}"),
+    }
+}
+
+fn ok(reply: Reply) -> Outcome {
+    match reply {
+        Reply::Ok(o) => o,
+        Reply::Error(e) => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn copy_out_by_fd_resolves_inside_the_directory_and_holds_it_while_copied_out() {
+    let (_sock, path, controller) = serve_stub();
+    let images = tempfile::tempdir().unwrap();
+    let dir = File::open(images.path()).unwrap();
+    let mut client = ControlClient::connect(&path).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.copy_out_fd(&dir, Path::new("1234"), None).unwrap());
+    drop(dir);
+    let got = controller.lock().unwrap().engine().paths.lock().unwrap()[0].clone();
+    assert!(
+        got.starts_with("/proc/self/fd/") && got.ends_with("1234"),
+        "{got:?}"
+    );
+    // The hook's path reaches the client's directory (held: the client closed its own).
+    std::fs::create_dir(&got).unwrap();
+    assert!(images.path().join("1234").is_dir());
+    assert_eq!(controller.lock().unwrap().held_fds(), 1);
+    ok(client.call(&Request::Release).unwrap());
+    // (That it is closed is shown with a pipe below: fd numbers are reused by other tests.)
+    assert_eq!(controller.lock().unwrap().held_fds(), 0);
+}
+
+#[test]
+fn copy_out_fds_are_closed_by_release_or_thaw_and_after_a_failure() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let copy_out = |client: &mut ControlClient, w: &OwnedFd| {
+        client.call_with_fds(
+            &Request::CopyOut {
+                image_dir: "img".into(),
+                parent: None,
+            },
+            &[w.as_fd()],
+        )
+    };
+    // Thaw from CopiedOut closes them.
+    ok(client.call(&Request::Freeze).unwrap());
+    let (mut r, w) = pipe();
+    ok(copy_out(&mut client, &w).unwrap());
+    drop(w);
+    assert!(held(&mut r));
+    ok(client.call(&Request::Thaw).unwrap());
+    assert!(!held(&mut r));
+    // A failed CopyOut closes them at once.
+    ok(client.call(&Request::Freeze).unwrap());
+    *controller.lock().unwrap().engine().fail.lock().unwrap() = Some(Verb::CopyOut);
+    let (mut r, w) = pipe();
+    assert_eq!(
+        error_kind(copy_out(&mut client, &w).unwrap()),
+        ErrorKind::Failed
+    );
+    drop(w);
+    assert!(!held(&mut r));
+    assert_eq!(controller.lock().unwrap().state(), CheckpointState::Frozen);
+}
+
+#[test]
+fn copy_in_by_fd_closes_the_fd_after_the_verb() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    for req in [Verb::Freeze, Verb::CopyOut, Verb::Release, Verb::Remap] {
+        ok(client.call(&request(req)).unwrap());
+    }
+    let (mut r, w) = pipe();
+    ok(client
+        .call_with_fds(
+            &Request::CopyIn {
+                image_dir: ".".into(),
+            },
+            &[w.as_fd()],
+        )
+        .unwrap());
+    drop(w);
+    assert!(!held(&mut r));
+    let c = controller.lock().unwrap();
+    let got = c.engine().paths.lock().unwrap().last().unwrap().clone();
+    let fd: i32 = got
+        .strip_prefix("/proc/self/fd")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(fd > 2, "{got:?}");
+    assert_eq!(c.state(), CheckpointState::CopiedIn);
+}
+
+#[test]
+fn misused_fds_are_refused_and_closed() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let (mut r, w) = pipe();
+    let reply = client
+        .call_with_fds(&Request::Freeze, &[w.as_fd()])
+        .unwrap();
+    assert_eq!(error_kind(reply), ErrorKind::BadRequest);
+    ok(client.call(&Request::Freeze).unwrap());
+    let bad_paths = ["/abs/img", "../escape", "a/../../b"];
+    for p in bad_paths {
+        let req = Request::CopyOut {
+            image_dir: p.into(),
+            parent: None,
+        };
+        let reply = client.call_with_fds(&req, &[w.as_fd()]).unwrap();
+        assert_eq!(error_kind(reply), ErrorKind::BadRequest, "{p}");
+    }
+    let req = request(Verb::CopyOut);
+    let three = [w.as_fd(), w.as_fd(), w.as_fd()];
+    assert_eq!(
+        error_kind(client.call_with_fds(&req, &three).unwrap()),
+        ErrorKind::BadRequest
+    );
+    // A parent path without the parent's fd.
+    let req = Request::CopyOut {
+        image_dir: "img".into(),
+        parent: Some("prev".into()),
+    };
+    assert_eq!(
+        error_kind(client.call_with_fds(&req, &[w.as_fd()]).unwrap()),
+        ErrorKind::BadRequest
+    );
+    drop(w);
+    assert!(!held(&mut r));
+    let c = controller.lock().unwrap();
+    assert_eq!(c.state(), CheckpointState::Frozen);
+    assert_eq!(*c.engine().calls.lock().unwrap(), vec![Verb::Freeze]);
+}
+
+#[test]
+fn a_parent_by_fd_is_resolved_against_the_second_fd() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let images = tempfile::tempdir().unwrap();
+    std::fs::create_dir(images.path().join("prev")).unwrap();
+    let dir = File::open(images.path()).unwrap();
+    let parent = File::open(images.path().join("prev")).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client
+        .copy_out_fd(&dir, Path::new("next"), Some(&parent))
+        .unwrap());
+    let c = controller.lock().unwrap();
+    let paths = c.engine().paths.lock().unwrap().clone();
+    assert_eq!(paths.len(), 2);
+    assert!(paths[0].ends_with("next"));
+    // The parent is the second fd itself.
+    assert_eq!(
+        std::fs::canonicalize(&paths[1]).unwrap(),
+        std::fs::canonicalize(images.path().join("prev")).unwrap()
+    );
+    assert_eq!(c.held_fds(), 2);
+}
+
+/// The whole fast path over the socket with images passed as fds, as the shim does.
+#[test]
+fn fast_path_round_trip_with_images_by_fd() {
+    use crate::driver::{DriverCall, VmmDriver};
+    use crate::fake::FakeDriver;
+    use crate::fastpath::FastPathOptions;
+    use crate::hook::Hook;
+
+    let driver = Arc::new(FakeDriver::default());
+    let hook = Hook::new(driver.clone(), FastPathOptions::default()).unwrap();
+    let data: Vec<Vec<u8>> = (0..3u8).map(|i| vec![i + 1; 70_000]).collect();
+    let vas: Vec<_> = data
+        .iter()
+        .map(|d| {
+            let va = hook.alloc(d.len() as u64).unwrap();
+            driver.copy_from_host(va, d).unwrap();
+            va
+        })
+        .collect();
+    let sockets = tempfile::tempdir().unwrap();
+    let mut client = ControlClient::connect(&hook.serve(sockets.path()).unwrap()).unwrap();
+    let images = tempfile::tempdir().unwrap();
+    let dir = File::open(images.path()).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.copy_out_fd(&dir, Path::new("77"), None).unwrap());
+    // A release failing half-way is undone from the image behind the held fd.
+    driver.fail_nth(DriverCall::Release, 1);
+    assert_eq!(
+        error_kind(client.call(&Request::Release).unwrap()),
+        ErrorKind::Failed
+    );
+    ok(client.call(&Request::Release).unwrap());
+    // (The failed release's handle is leaked by the fake, so physical bytes stay > 0.)
+    let Outcome::Status(status) = ok(client.call(&Request::Status).unwrap()) else {
+        panic!("no status");
+    };
+    assert_eq!(
+        (status.state, status.released),
+        (CheckpointState::Released, 3)
+    );
+    ok(client.call(&Request::Remap).unwrap());
+    let image = File::open(images.path().join("77")).unwrap();
+    let Outcome::CopiedIn(report) = ok(client.copy_in_fd(&image).unwrap()) else {
+        panic!("not a copy-in report");
+    };
+    assert_eq!(report.bytes, 3 * 70_000);
+    ok(client.call(&Request::Thaw).unwrap());
+    for (va, want) in vas.iter().zip(&data) {
+        let mut got = vec![0u8; want.len()];
+        driver.copy_to_host(*va, &mut got).unwrap();
+        assert!(
+            got == *want,
+            "contents of {va:#x} differ after the round trip"
+        );
+    }
+    assert!(gpu_state::image::ImageReader::open(&images.path().join("77")).is_ok());
 }

@@ -2,6 +2,16 @@
 //! followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
 //! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is
 //! `{"ok": {...}}` or `{"error": {"kind": "...", "message": "..."}}`.
+//!
+//! **Directories by fd.** The hook lives in the container's mount namespace and cannot
+//! see the shim's paths, so a request may carry open directory fds (SCM_RIGHTS with the
+//! frame's bytes, at most [`MAX_FDS`]). Then its paths are relative, like `openat`:
+//! CopyOut's `image_dir` is a new name inside the first fd and its `parent` is inside the
+//! second (`.` for the fd itself); CopyIn's `image_dir` is inside the first fd. The hook
+//! reaches them as `/proc/self/fd/<n>/...`, which works across mount namespaces. Fds
+//! given with CopyOut stay open while the hook is CopiedOut (a Release that fails
+//! half-way refills from that image) and are closed when it leaves that state; all
+//! other fds are closed after the verb. Requests without fds use absolute paths.
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -14,6 +24,8 @@ use crate::gate::GateState;
 
 /// Largest request frame the hook accepts (requests carry two paths at most).
 pub const MAX_FRAME: u32 = 64 << 10;
+/// Most fds one request may carry (CopyOut: the image's directory and its parent).
+pub const MAX_FDS: usize = 2;
 /// Largest reply frame (a Status lists every unsupported allocation).
 pub const MAX_REPLY_FRAME: u32 = 16 << 20;
 
