@@ -16,6 +16,11 @@ use gpucr_cdi::{
 
 use crate::error::{Error, Result};
 
+/// Annotation: `always` passes the old→new GPU pairs to the driver's restore even when every
+/// GPU is the same one (the remap path, exercised on a one-GPU machine); default: only when a
+/// GPU changes.
+pub const GPU_PAIRS_ANNOTATION: &str = "io.gpucr.gpu-pairs";
+
 /// Shim environment: CDI spec directories, `:`-separated (default `/etc/cdi:/var/run/cdi`).
 pub const CDI_SPEC_DIRS_ENV: &str = "GPUCR_CDI_SPEC_DIRS";
 
@@ -77,7 +82,12 @@ pub fn plan_restore(bundle: &Path, image: &Path) -> Result<Vec<GpuPair>> {
     tracing::info!(devices = ?plan.cdi_devices,
         ext_mounts = ?plan.ext_mounts.iter().map(|m| m.to_criu_arg()).collect::<Vec<_>>(),
         "restore fitted to this host");
-    gpu_pairs(&plan.gpu_uuid_pairs)
+    let always = spec
+        .pointer("/annotations")
+        .and_then(|a| a.get(GPU_PAIRS_ANNOTATION))
+        .and_then(|v| v.as_str())
+        == Some("always");
+    gpu_pairs(&plan.gpu_uuid_pairs, always)
 }
 
 /// After `runc restore`: CRIU brought the container's `/dev` (a tmpfs) back from the image,
@@ -133,9 +143,9 @@ pub fn refresh_device_nodes(bundle: &Path, pid: u32) -> Result<Vec<String>> {
     Ok(changed)
 }
 
-/// The driver wants pairs only when a GPU changes; then they must cover every GPU.
-fn gpu_pairs(pairs: &[gpucr_cdi::GpuUuidPair]) -> Result<Vec<GpuPair>> {
-    if pairs.iter().all(|p| p.old == p.new) {
+/// The driver wants pairs only when a GPU changes (or `always`); then they must cover every GPU.
+fn gpu_pairs(pairs: &[gpucr_cdi::GpuUuidPair], always: bool) -> Result<Vec<GpuPair>> {
+    if !always && pairs.iter().all(|p| p.old == p.new) {
         return Ok(Vec::new());
     }
     pairs
@@ -162,16 +172,23 @@ mod tests {
             old: "GPU-11111111-2222-3333-4444-555555555555".into(),
             new: "GPU-11111111-2222-3333-4444-555555555555".into(),
         };
-        assert!(gpu_pairs(std::slice::from_ref(&same)).unwrap().is_empty());
+        assert!(gpu_pairs(std::slice::from_ref(&same), false)
+            .unwrap()
+            .is_empty());
+        assert_eq!(
+            gpu_pairs(std::slice::from_ref(&same), true).unwrap().len(),
+            1,
+            "always: the identical pair goes to the driver"
+        );
         let moved = gpucr_cdi::GpuUuidPair {
             old: same.old.clone(),
             new: "GPU-aaaaaaaa-2222-3333-4444-555555555555".into(),
         };
-        assert_eq!(gpu_pairs(&[same, moved]).unwrap().len(), 2);
+        assert_eq!(gpu_pairs(&[same, moved], false).unwrap().len(), 2);
         let bad = gpucr_cdi::GpuUuidPair {
             old: "x".into(),
             new: "GPU-aaaaaaaa-2222-3333-4444-555555555555".into(),
         };
-        assert!(gpu_pairs(&[bad]).is_err());
+        assert!(gpu_pairs(&[bad], false).is_err());
     }
 }
