@@ -258,7 +258,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.trac
 EOF
   log "starting containerd (root $DATA)"
   # TMPDIR: containerd writes checkpoint dumps there before they enter the content store.
-  TMPDIR=$DATA/tmp containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
+  mkdir -p "$DATA/cdi"
+  TMPDIR=$DATA/tmp GPUCR_CDI_SPEC_DIRS=$DATA/cdi containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
   CTD_PID=$!
   local i
   for i in $(seq 100); do
@@ -587,6 +588,7 @@ cr_cycle() {
   fi
   figs+="image_mib=$(du -sm "$CONTENT" 2>/dev/null | cut -f1) "
   kill_rm "$id"
+  if [ -n "${CR_BEFORE_RESTORE:-}" ]; then "$CR_BEFORE_RESTORE" || ok=0; fi
   off=$(log_lines)
   t0=$(now_ms)
   if ! CTR_T=$(bigt) cc c restore --live --rw "$id" "$ref" >"$LOGS/$id-restore.txt" 2>&1; then
@@ -772,7 +774,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore c e d gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore c cdi e d gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -802,6 +804,79 @@ else
 fi
 kill_rm gpucr
 
+# cdi (issues 5 and 6): the GPU comes from a CDI spec (nvidia.com/gpu=0: device nodes, the
+# driver directory, the GPU's UUID in NVIDIA_VISIBLE_DEVICES), not from ctr flags. Between
+# checkpoint and restore the spec is regenerated as another node would have it: the driver
+# directory at another host path. The restore must follow the new spec, and with
+# io.gpucr.gpu-pairs=always the driver gets the (identical) old->new GPU UUID pair.
+GPU_UUID=""
+write_cdi_spec() {
+  local driver_dir=$1 nodes="" dev
+  for dev in /dev/nvidia0 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools; do
+    [ -e "$dev" ] && nodes+="${nodes:+,}{\"path\": \"$dev\"}"
+  done
+  cat >"$DATA/cdi/nvidia.json" <<EOF
+{"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
+ "devices": [{"name": "0", "containerEdits": {
+   "env": ["NVIDIA_VISIBLE_DEVICES=$GPU_UUID"],
+   "deviceNodes": [$nodes],
+   "mounts": [{"hostPath": "$driver_dir", "containerPath": "/usr/local/nvidia", "options": ["ro", "rbind"]}]}}]}
+EOF
+  cp "$DATA/cdi/nvidia.json" "$LOGS/cdi-spec-$(basename "$driver_dir").json"
+}
+cdi_move_driver() {
+  mkdir -p "$DATA/nvidia-moved"
+  mount --bind /usr/local/nvidia "$DATA/nvidia-moved" || return 1
+  write_cdi_spec "$DATA/nvidia-moved"
+  log "cdi: spec regenerated with the driver at $DATA/nvidia-moved"
+}
+scenario_cdi() {
+  GPU_UUID=$(nvidia-smi --query-gpu=uuid --format=csv,noheader | head -1 | tr -d ' ')
+  [ -n "$GPU_UUID" ] || { result cdi FAIL 0 "no GPU UUID from nvidia-smi"; return 1; }
+  write_cdi_spec /usr/local/nvidia
+  use_workload cuda "$SMALL"
+  WL_ARGS=(--annotation "cdi.k8s.io/gpucr-e2e=nvidia.com/gpu=0" --annotation io.gpucr.gpu-pairs=always
+    --env LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/lib/x86_64-linux-gnu:/lib64)
+  start_workload cdi "$GPUCR_RT" || { result cdi FAIL 0 "the CDI CUDA container did not start (see logs/cdi.stdio)"; return 1; }
+  CR_BEFORE_RESTORE=cdi_move_driver cr_cycle cdi gpucr cdi || true
+  local b=$DATA/state/io.containerd.runtime.v2.task/$NS/cdi
+  cp "$b/config.json" "$LOGS/cdi-restored-config.json" 2>/dev/null || true
+  if grep -q nvidia-moved "$b/config.json" 2>/dev/null; then
+    log "cdi: the restored spec mounts the driver from the moved path"
+  else
+    log "cdi: the restored spec does NOT name the moved driver path"
+  fi
+  grep -ho 'gpu_pairs=[0-9]*' "$LOGS"/cdi-cdi-restore-ctd.log 2>/dev/null | tail -1 | sed 's/^/cdi: driver restore got /' >&2 || true
+}
+
+if enough 60 cdi; then
+  scenario_cdi || true
+  kill_rm cdi
+else
+  skip_all cdi
+fi
+
+# e_diag PID LABEL: why a plugin-driven checkpoint hangs: the task's cgroup freezer, its threads'
+# states, CRIU's stack, and the driver's state of the process.
+e_diag() {
+  local pid=$1 label=$2 f=$LOGS/e-diag-$2.txt cg t c
+  {
+    echo "== task $pid"
+    cg=$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup" 2>/dev/null)
+    echo "cgroup $cg freeze=$(cat "/sys/fs/cgroup$cg/cgroup.freeze" 2>/dev/null) events: $(tr '\n' ' ' <"/sys/fs/cgroup$cg/cgroup.events" 2>/dev/null)"
+    for t in /proc/"$pid"/task/*; do
+      echo "thread ${t##*/} $(awk '/^State/ {print $2, $3}' "$t/status" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null) tracer=$(awk '/^TracerPid/ {print $2}' "$t/status" 2>/dev/null)"
+    done
+    for c in $(pgrep -x criu); do
+      echo "== criu $c: $(tr '\0' ' ' <"/proc/$c/cmdline" | head -c 300)"
+      cat "/proc/$c/stack" 2>/dev/null | head -20
+      for t in /proc/"$c"/task/*; do echo "criu thread ${t##*/} wchan=$(cat "$t/wchan" 2>/dev/null)"; done
+    done
+    echo "== driver state"; timeout 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
+  } >"$f" 2>&1
+  log "e ($label): $(head -3 "$f" | tr '\n' ' ')"
+}
+
 # e: runc + CRIU with gpucr's plugin only (no gpucr shim, no ctr in the checkpoint path).
 # ctr pauses (cgroup-freezes) a task before every checkpoint, and the driver's lock runs on a
 # thread inside the process, so a frozen task cannot be locked: a user of plain runc/podman
@@ -817,8 +892,19 @@ scenario_e_runc() {
   pid=$(task_pid "$id")
   before=$(laststep "$pid")
   # 1) leave-running: lock + checkpoint in PAUSE/CHECKPOINT_DEVICES, restore + unlock at exit.
-  if ! timeout 90 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
-      --leave-running "$id" >"$LOGS/e-ckpt1.txt" 2>&1; then
+  timeout 75 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
+    --leave-running "$id" >"$LOGS/e-ckpt1.txt" 2>&1 &
+  local cpid=$! waited=0 rc
+  while kill -0 "$cpid" 2>/dev/null; do
+    sleep 1
+    waited=$((waited + 1))
+    [ "$waited" = 20 ] && e_diag "$pid" at-20s
+  done
+  wait "$cpid"; rc=$?
+  if [ "$rc" != 0 ]; then
+    e_diag "$pid" after-exit
+    [ "$(cat "/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze" 2>/dev/null)" = 1 ] \
+      && echo 0 >"/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze"
     cp "$w1/dump.log" "$LOGS/e-dump1.log" 2>/dev/null || true
     result e FAIL "$(secs_since "$t0")" "runc checkpoint --leave-running failed: $(head -c 200 "$LOGS/e-ckpt1.txt" | tr '\n' ' ') $(grep -E 'Error \(' "$w1/dump.log" 2>/dev/null | grep -v RLIMIT | head -2 | tr '\n' ' ')"
     return 1
