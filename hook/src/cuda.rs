@@ -2,12 +2,21 @@
 //! `cuda`). Own `#[repr(C)]` types for the few cuda.h structs it passes; one device
 //! (the context's current one) per driver.
 //!
-//! Not run yet: it compiles on CPU machines, and needs the H200 to be tested. Copies are
-//! synchronous (`cuMemcpyDtoH_v2`/`cuMemcpyHtoD_v2`) into whatever buffer the caller
-//! gives; the pinned, two-stream copies of the prototype are still to come.
+//! Copies go through two pinned host buffers on two streams (one piece copies by DMA
+//! while the CPU moves the other between its pinned buffer and the caller's slice);
+//! the buffers and streams live only between the first copy and
+//! [`VmmDriver::end_copies`], so a checkpoint never sees them. When the pinned calls are
+//! missing or fail, copies fall back to synchronous `cuMemcpyDtoH_v2`/`HtoD_v2`.
+//!
+//! The control thread has no current context: every call first makes the context the
+//! driver was created in current on a thread that has none.
+//!
+//! Tested on CPU against tests/fake-libcuda through the interposition layer; not run
+//! on a GPU yet.
 
-use std::ffi::{c_int, c_ulonglong, c_void};
+use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
 use std::path::Path;
+use std::sync::Mutex;
 
 use libloading::Library;
 use thiserror::Error;
@@ -57,6 +66,8 @@ const ACCESS_READWRITE: c_int = 3;
 const GRANULARITY_MINIMUM: c_int = 0;
 
 type FnGetDevice = unsafe extern "C" fn(*mut c_int) -> CuResult;
+type FnGetCtx = unsafe extern "C" fn(*mut *mut c_void) -> CuResult;
+type FnSetCtx = unsafe extern "C" fn(*mut c_void) -> CuResult;
 type FnGranularity = unsafe extern "C" fn(*mut usize, *const AllocationProp, c_int) -> CuResult;
 type FnReserve =
     unsafe extern "C" fn(*mut DevicePtr, usize, usize, DevicePtr, c_ulonglong) -> CuResult;
@@ -70,21 +81,62 @@ type FnAddressFree = unsafe extern "C" fn(DevicePtr, usize) -> CuResult;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult;
 type FnSync = unsafe extern "C" fn() -> CuResult;
+type FnHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult;
+type FnFreeHost = unsafe extern "C" fn(*mut c_void) -> CuResult;
+type FnStreamCreate = unsafe extern "C" fn(*mut Stream, c_uint) -> CuResult;
+type FnStreamSync = unsafe extern "C" fn(Stream) -> CuResult;
+type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, Stream) -> CuResult;
+type FnHtoDAsync = unsafe extern "C" fn(DevicePtr, *const c_void, usize, Stream) -> CuResult;
+
+/// `CUstream`.
+type Stream = *mut c_void;
+
+/// Bytes of each of the two pinned staging buffers.
+pub const PINNED_BUFFER: usize = 32 << 20;
+/// Smallest piece a copy is split into (smaller pieces cost more in launches than the
+/// overlap gains).
+const MIN_PIECE: usize = 1 << 20;
+/// `CU_STREAM_NON_BLOCKING`: the copy streams do not wait for the legacy stream.
+const STREAM_NON_BLOCKING: c_uint = 1;
 
 /// Loading errors.
 #[derive(Debug, Error)]
 pub enum LoadError {
     #[error("cannot load {path}: {reason}")]
     Load { path: String, reason: String },
-    #[error("{path} has no symbol {symbol}")]
-    MissingSymbol { path: String, symbol: &'static str },
+    #[error("libcuda has no symbol {symbol}")]
+    MissingSymbol { symbol: &'static str },
     #[error("cuCtxGetDevice failed with code {0} (no current context?)")]
     NoDevice(c_int),
+    #[error("cuCtxGetCurrent failed with code {0}")]
+    NoContext(c_int),
+}
+
+/// The functions of the pinned two-stream copies (all present, or none used).
+#[derive(Clone, Copy)]
+struct PinnedFns {
+    host_alloc: FnHostAlloc,
+    free_host: FnFreeHost,
+    stream_create: FnStreamCreate,
+    stream_sync: FnStreamSync,
+    stream_destroy: FnStreamSync,
+    dtoh_async: FnDtoHAsync,
+    htod_async: FnHtoDAsync,
+}
+
+/// Two pinned buffers and two streams, alive between the first copy and `end_copies`.
+struct Staging {
+    buffers: [*mut u8; 2],
+    streams: [Stream; 2],
 }
 
 /// The VMM API of one libcuda. See the module docs.
 pub struct CudaDriver {
     device: c_int,
+    /// The context current when the driver was made (`CUcontext`).
+    ctx: *mut c_void,
+    get_ctx: FnGetCtx,
+    set_ctx: FnSetCtx,
     granularity: FnGranularity,
     reserve: FnReserve,
     create: FnCreate,
@@ -96,62 +148,130 @@ pub struct CudaDriver {
     dtoh: FnDtoH,
     htod: FnHtoD,
     sync: FnSync,
-    _lib: Library,
+    pinned: Option<PinnedFns>,
+    staging: Mutex<Option<Staging>>,
+    _lib: Option<Library>,
 }
 
-// SAFETY: the driver API is thread-safe; the struct holds only function pointers into
-// the loaded library, which it keeps alive.
+// SAFETY: the driver API is thread-safe; the struct holds function pointers into the
+// loaded library (kept alive by it or by the process), the context handle, and pinned
+// buffers used only under the `staging` mutex.
 unsafe impl Send for CudaDriver {}
 unsafe impl Sync for CudaDriver {}
 
-/// Copies a function pointer out of the library.
+/// Looks a driver function up by name; `None` when absent.
+pub type Resolve<'a> = &'a dyn Fn(&'static str) -> Option<*mut c_void>;
+
+/// A required function pointer.
 ///
 /// # Safety
-/// `T` must be the symbol's real function pointer type, and the pointer must not
-/// outlive `lib`.
-unsafe fn sym<T: Copy>(lib: &Library, path: &str, name: &'static str) -> Result<T, LoadError> {
-    match lib.get::<T>(name.as_bytes()) {
-        Ok(s) => Ok(*s),
-        Err(_) => Err(LoadError::MissingSymbol {
-            path: path.to_string(),
-            symbol: name,
-        }),
-    }
+/// `T` must be the symbol's real function pointer type.
+unsafe fn need<T: Copy>(resolve: Resolve<'_>, name: &'static str) -> Result<T, LoadError> {
+    want(resolve, name).ok_or(LoadError::MissingSymbol { symbol: name })
+}
+
+/// An optional function pointer.
+///
+/// # Safety
+/// As [`need`].
+unsafe fn want<T: Copy>(resolve: Resolve<'_>, name: &'static str) -> Option<T> {
+    assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<*mut c_void>());
+    let p = resolve(name).filter(|p| !p.is_null())?;
+    Some(std::mem::transmute_copy::<*mut c_void, T>(&p))
 }
 
 impl CudaDriver {
     /// Loads `path` (e.g. `libcuda.so.1`) and binds to the calling thread's current
-    /// device, which must have a context.
+    /// context and its device. Not for use inside the preloaded hook, where `dlsym`
+    /// is our own (see [`CudaDriver::from_resolver`]).
     pub fn load(path: &Path) -> Result<CudaDriver, LoadError> {
         let shown = path.display().to_string();
         // SAFETY: loading libcuda runs its constructors, which is what the driver expects.
         let lib = unsafe { Library::new(path) }.map_err(|e| LoadError::Load {
-            path: shown.clone(),
+            path: shown,
             reason: e.to_string(),
         })?;
-        // SAFETY: the types match cuda.h's prototypes of these symbols.
-        unsafe {
-            let get_device: FnGetDevice = sym(&lib, &shown, "cuCtxGetDevice")?;
-            let mut device = 0;
-            let rc = get_device(&mut device);
-            if rc != 0 {
-                return Err(LoadError::NoDevice(rc));
-            }
-            Ok(CudaDriver {
-                device,
-                granularity: sym(&lib, &shown, "cuMemGetAllocationGranularity")?,
-                reserve: sym(&lib, &shown, "cuMemAddressReserve")?,
-                create: sym(&lib, &shown, "cuMemCreate")?,
-                map: sym(&lib, &shown, "cuMemMap")?,
-                set_access: sym(&lib, &shown, "cuMemSetAccess")?,
-                unmap: sym(&lib, &shown, "cuMemUnmap")?,
-                release: sym(&lib, &shown, "cuMemRelease")?,
-                address_free: sym(&lib, &shown, "cuMemAddressFree")?,
-                dtoh: sym(&lib, &shown, "cuMemcpyDtoH_v2")?,
-                htod: sym(&lib, &shown, "cuMemcpyHtoD_v2")?,
-                sync: sym(&lib, &shown, "cuCtxSynchronize")?,
-                _lib: lib,
+        let resolve = |name: &'static str| {
+            // SAFETY: only the address is read; it is typed by `need`/`want`.
+            unsafe { lib.get::<*mut c_void>(name.as_bytes()) }
+                .ok()
+                .map(|s| *s)
+        };
+        // SAFETY: the resolver returns libcuda's own functions.
+        let mut driver = unsafe { CudaDriver::from_resolver(&resolve) }?;
+        driver._lib = Some(lib);
+        Ok(driver)
+    }
+
+    /// Binds to the calling thread's current context and its device, with functions
+    /// from `resolve`.
+    ///
+    /// # Safety
+    /// `resolve` must return libcuda's functions of those names (never wrappers that
+    /// could block on the freeze gate), alive for the driver's lifetime.
+    pub unsafe fn from_resolver(resolve: Resolve<'_>) -> Result<CudaDriver, LoadError> {
+        let get_device: FnGetDevice = need(resolve, "cuCtxGetDevice")?;
+        let get_ctx: FnGetCtx = need(resolve, "cuCtxGetCurrent")?;
+        let mut device = 0;
+        let rc = get_device(&mut device);
+        if rc != 0 {
+            return Err(LoadError::NoDevice(rc));
+        }
+        let mut ctx = std::ptr::null_mut();
+        let rc = get_ctx(&mut ctx);
+        if rc != 0 {
+            return Err(LoadError::NoContext(rc));
+        }
+        let pinned = (|| {
+            Some(PinnedFns {
+                host_alloc: want(resolve, "cuMemHostAlloc")?,
+                free_host: want(resolve, "cuMemFreeHost")?,
+                stream_create: want(resolve, "cuStreamCreate")?,
+                stream_sync: want(resolve, "cuStreamSynchronize")?,
+                stream_destroy: want(resolve, "cuStreamDestroy_v2")?,
+                dtoh_async: want(resolve, "cuMemcpyDtoHAsync_v2")?,
+                htod_async: want(resolve, "cuMemcpyHtoDAsync_v2")?,
             })
+        })();
+        Ok(CudaDriver {
+            device,
+            ctx,
+            get_ctx,
+            set_ctx: need(resolve, "cuCtxSetCurrent")?,
+            granularity: need(resolve, "cuMemGetAllocationGranularity")?,
+            reserve: need(resolve, "cuMemAddressReserve")?,
+            create: need(resolve, "cuMemCreate")?,
+            map: need(resolve, "cuMemMap")?,
+            set_access: need(resolve, "cuMemSetAccess")?,
+            unmap: need(resolve, "cuMemUnmap")?,
+            release: need(resolve, "cuMemRelease")?,
+            address_free: need(resolve, "cuMemAddressFree")?,
+            dtoh: need(resolve, "cuMemcpyDtoH_v2")?,
+            htod: need(resolve, "cuMemcpyHtoD_v2")?,
+            sync: need(resolve, "cuCtxSynchronize")?,
+            pinned,
+            staging: Mutex::new(None),
+            _lib: None,
+        })
+    }
+
+    /// The device the driver allocates on.
+    pub fn device(&self) -> c_int {
+        self.device
+    }
+
+    /// Makes the driver's context current on a thread that has none (the control
+    /// thread); a thread with a context keeps its own.
+    fn bind(&self) {
+        let mut cur = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the context handle came from the driver.
+        unsafe {
+            if (self.get_ctx)(&mut cur) == 0 && cur.is_null() {
+                let rc = (self.set_ctx)(self.ctx);
+                if rc != 0 {
+                    tracing::warn!(code = rc, "cuCtxSetCurrent failed on the control thread");
+                }
+            }
         }
     }
 
@@ -174,6 +294,55 @@ impl CudaDriver {
             reserved: [0; 4],
         }
     }
+
+    /// The staging buffers and streams, made on first use; `None` (synchronous
+    /// copies) when the pinned functions are missing or fail.
+    fn staging<'a>(&self, slot: &'a mut Option<Staging>) -> Option<(&'a Staging, PinnedFns)> {
+        let f = self.pinned?;
+        if slot.is_none() {
+            let mut st = Staging {
+                buffers: [std::ptr::null_mut(); 2],
+                streams: [std::ptr::null_mut(); 2],
+            };
+            let mut ok = true;
+            for i in 0..2 {
+                let mut p = std::ptr::null_mut();
+                // SAFETY: out-pointers to locals.
+                unsafe {
+                    ok &= (f.host_alloc)(&mut p, PINNED_BUFFER, 0) == 0;
+                    st.buffers[i] = p.cast();
+                    ok &= (f.stream_create)(&mut st.streams[i], STREAM_NON_BLOCKING) == 0;
+                }
+            }
+            if !ok {
+                tracing::warn!("pinned staging unavailable; copying synchronously");
+                free_staging(&f, &st);
+                return None;
+            }
+            *slot = Some(st);
+        }
+        slot.as_ref().map(|st| (st, f))
+    }
+}
+
+/// Frees whatever of `st` was made.
+fn free_staging(f: &PinnedFns, st: &Staging) {
+    // SAFETY: handles made by the driver (null ones skipped); nothing uses them after.
+    unsafe {
+        for s in st.streams.iter().filter(|s| !s.is_null()) {
+            (f.stream_sync)(*s);
+            (f.stream_destroy)(*s);
+        }
+        for b in st.buffers.iter().filter(|b| !b.is_null()) {
+            (f.free_host)(b.cast());
+        }
+    }
+}
+
+/// The pieces a copy of `len` bytes is split into: at least two when it is large
+/// enough to overlap, at most one pinned buffer each.
+fn piece_size(len: usize) -> usize {
+    len.div_ceil(2).clamp(MIN_PIECE, PINNED_BUFFER)
 }
 
 fn check(call: DriverCall, rc: CuResult) -> Result<(), DriverError> {
@@ -196,6 +365,7 @@ fn csize(call: DriverCall, size: u64) -> Result<usize, DriverError> {
 // live locals; host buffers are valid for their full length.
 impl VmmDriver for CudaDriver {
     fn granularity(&self) -> Result<u64, DriverError> {
+        self.bind();
         let mut g = 0usize;
         let prop = self.prop();
         let rc = unsafe { (self.granularity)(&mut g, &prop, GRANULARITY_MINIMUM) };
@@ -203,6 +373,7 @@ impl VmmDriver for CudaDriver {
     }
 
     fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError> {
+        self.bind();
         let call = DriverCall::AddressReserve;
         let mut va: DevicePtr = 0;
         let rc = unsafe { (self.reserve)(&mut va, csize(call, size)?, 0, fixed.unwrap_or(0), 0) };
@@ -211,6 +382,7 @@ impl VmmDriver for CudaDriver {
     }
 
     fn create(&self, size: u64) -> Result<PhysHandle, DriverError> {
+        self.bind();
         let call = DriverCall::Create;
         let mut handle: c_ulonglong = 0;
         let prop = self.prop();
@@ -219,6 +391,7 @@ impl VmmDriver for CudaDriver {
     }
 
     fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+        self.bind();
         let call = DriverCall::Map;
         check(call, unsafe {
             (self.map)(va, csize(call, size)?, 0, handle.0, 0)
@@ -226,6 +399,7 @@ impl VmmDriver for CudaDriver {
     }
 
     fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        self.bind();
         let call = DriverCall::SetAccess;
         let desc = AccessDesc {
             location: self.location(),
@@ -237,31 +411,120 @@ impl VmmDriver for CudaDriver {
     }
 
     fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        self.bind();
         let call = DriverCall::Unmap;
         check(call, unsafe { (self.unmap)(va, csize(call, size)?) })
     }
 
     fn release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+        self.bind();
         check(DriverCall::Release, unsafe { (self.release)(handle.0) })
     }
 
     fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+        self.bind();
         let call = DriverCall::AddressFree;
         check(call, unsafe { (self.address_free)(va, csize(call, size)?) })
     }
 
     fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
-        let rc = unsafe { (self.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
-        check(DriverCall::CopyToHost, rc)
+        self.bind();
+        let call = DriverCall::CopyToHost;
+        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((st, f)) = self.staging(&mut slot) else {
+            let rc = unsafe { (self.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
+            return check(call, rc);
+        };
+        let piece = piece_size(dst.len());
+        let pieces: Vec<(usize, usize)> = (0..dst.len())
+            .step_by(piece)
+            .map(|off| (off, piece.min(dst.len() - off)))
+            .collect();
+        let issue = |i: usize| {
+            let (off, len) = pieces[i];
+            let b = i % 2;
+            unsafe { (f.dtoh_async)(st.buffers[b].cast(), src + off as u64, len, st.streams[b]) }
+        };
+        let result = (|| {
+            for i in 0..pieces.len().min(2) {
+                check(call, issue(i))?;
+            }
+            for (i, &(off, len)) in pieces.iter().enumerate() {
+                let b = i % 2;
+                check(call, unsafe { (f.stream_sync)(st.streams[b]) })?;
+                // The other stream's DMA runs while this piece moves to the caller.
+                let from = unsafe { std::slice::from_raw_parts(st.buffers[b], len) };
+                dst[off..off + len].copy_from_slice(from);
+                if i + 2 < pieces.len() {
+                    check(call, issue(i + 2))?;
+                }
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            // No DMA may still write into the buffers after we return.
+            for s in st.streams {
+                unsafe { (f.stream_sync)(s) };
+            }
+        }
+        result
     }
 
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
-        let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
-        check(DriverCall::CopyFromHost, rc)
+        self.bind();
+        let call = DriverCall::CopyFromHost;
+        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((st, f)) = self.staging(&mut slot) else {
+            let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
+            return check(call, rc);
+        };
+        let piece = piece_size(src.len());
+        let mut result = Ok(());
+        for (i, off) in (0..src.len()).step_by(piece).enumerate() {
+            let len = piece.min(src.len() - off);
+            let b = i % 2;
+            if i >= 2 {
+                // The buffer's previous piece must have left before it is refilled.
+                result = check(call, unsafe { (f.stream_sync)(st.streams[b]) });
+                if result.is_err() {
+                    break;
+                }
+            }
+            let to = unsafe { std::slice::from_raw_parts_mut(st.buffers[b], len) };
+            to.copy_from_slice(&src[off..off + len]);
+            let rc = unsafe {
+                (f.htod_async)(
+                    dst + off as u64,
+                    st.buffers[b].cast_const().cast(),
+                    len,
+                    st.streams[b],
+                )
+            };
+            result = check(call, rc);
+            if result.is_err() {
+                break;
+            }
+        }
+        for s in st.streams {
+            let rc = unsafe { (f.stream_sync)(s) };
+            if result.is_ok() {
+                result = check(call, rc);
+            }
+        }
+        result
     }
 
     fn synchronize(&self) -> Result<(), DriverError> {
+        self.bind();
         check(DriverCall::Synchronize, unsafe { (self.sync)() })
+    }
+
+    fn end_copies(&self) {
+        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        if let (Some(st), Some(f)) = (slot.take(), self.pinned) {
+            self.bind();
+            free_staging(&f, &st);
+        }
     }
 }
 

@@ -1,8 +1,8 @@
 //! [`VmmDriver`]: what the hook needs from the CUDA driver's virtual memory management
 //! (VMM) API, in our own minimal types (no CUDA headers).
 //!
-//! The real implementation (function pointers resolved from libcuda) is not written yet;
-//! tests use [`FakeDriver`](crate::fake::FakeDriver). Every method takes `&self`: the
+//! `CudaDriver` (feature `cuda`) is the real implementation; unit tests use
+//! `FakeDriver` (tests or feature `fake`). Every method takes `&self`: the
 //! driver is shared by the application's threads and the control thread.
 
 use thiserror::Error;
@@ -69,6 +69,9 @@ pub trait VmmDriver: Send + Sync {
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
     /// Waits for all work on the device (`cuCtxSynchronize`).
     fn synchronize(&self) -> Result<(), DriverError>;
+    /// A copy-out or copy-in finished: resources held for copies (pinned buffers,
+    /// streams) can go, so a checkpoint does not carry them.
+    fn end_copies(&self) {}
 }
 
 /// `value` rounded up to a multiple of `align` (a power of two or any non-zero value);

@@ -378,16 +378,23 @@ impl<D: VmmDriver> Engine for FastPath<D> {
         FastPath::freeze(self)
     }
     fn copy_out(&self, dir: &Path, parent: Option<&Path>) -> Result<CopyOutReport, FastPathError> {
-        FastPath::copy_out(self, dir, parent)
+        let result = FastPath::copy_out(self, dir, parent);
+        self.driver().end_copies();
+        result
     }
     fn release(&self) -> Result<MemoryReport, FastPathError> {
-        FastPath::release(self)
+        // A failed release refills memory from the image.
+        let result = FastPath::release(self);
+        self.driver().end_copies();
+        result
     }
     fn remap(&self) -> Result<MemoryReport, FastPathError> {
         FastPath::remap(self)
     }
     fn copy_in(&self, dir: &Path) -> Result<CopyInReport, FastPathError> {
-        FastPath::copy_in(self, dir)
+        let result = FastPath::copy_in(self, dir);
+        self.driver().end_copies();
+        result
     }
     fn thaw(&self) -> Result<(), FastPathError> {
         FastPath::thaw(self)

@@ -1,6 +1,6 @@
 //! [`Hook`]: one process's hook, wired together: the allocator, the freeze gate, the
 //! fast path behind a [`Controller`], and the control socket. These are the entry
-//! points the interposition layer (not written yet) calls from its `cu*` wrappers.
+//! points the interposition layer (`interpose`) calls from its `cu*` wrappers.
 //!
 //! An address the hook does not track (memory from before the hook loaded, or from a
 //! path it does not back) gives [`AllocError::NotFound`] from [`Hook::free`]; the
@@ -122,6 +122,11 @@ impl<D: VmmDriver + 'static> Hook<D> {
     /// Records memory the hook cannot move (the call itself goes to the real driver).
     pub fn record_unsupported(&self, kind: UnsupportedKind, va: DevicePtr, size: u64) {
         self.allocator.record_unsupported(kind, va, size);
+    }
+
+    /// Forgets unsupported memory at `va` once the application freed it.
+    pub fn forget_unsupported(&self, va: DevicePtr) {
+        self.allocator.table().forget_unsupported(va);
     }
 
     /// Whether `addr` (interior pointers too) is memory the hook owns.

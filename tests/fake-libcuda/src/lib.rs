@@ -7,6 +7,8 @@
 //! plugin load this library in different processes. Every call is appended to the
 //! log (`$GPUCR_FAKE_CUDA_LOG`) as `<op> <pid>[ pairs=N] -> <rc>`.
 
+mod mem;
+
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
