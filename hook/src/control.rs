@@ -415,6 +415,13 @@ impl ControlClient {
         Ok(ControlClient { stream })
     }
 
+    /// Bounds how long one reply may take (`None`: forever), so a hung process cannot
+    /// hang its caller.
+    pub fn set_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)
+    }
+
     /// Sends `req` and waits for the reply.
     pub fn call(&mut self, req: &Request) -> Result<Reply, ControlError> {
         write_frame(&mut self.stream, req, MAX_FRAME)?;

@@ -10,6 +10,8 @@ pub mod container;
 pub mod error;
 pub mod events;
 pub mod gpu;
+pub mod gpu_hook;
+pub mod hook_spec;
 pub mod host;
 pub mod io;
 pub mod logger;

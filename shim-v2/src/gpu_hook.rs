@@ -1,0 +1,550 @@
+//! The shim's side of the hook's fast path (`libgpucr_hook.so`, see `hook/README.md`):
+//! before the driver's lock, each CUDA process whose hook answers is frozen, its device
+//! memory copied into `<image>/gpu-hook/<ns pid>/` (a GPU state image, written by the hook
+//! into a directory passed as an fd: the hook cannot see host paths) and released, so the
+//! driver's checkpoint only moves what is left. After the dump (leave-running), or on
+//! any failure before it, every such process gets its memory back: Remap → CopyIn → Thaw
+//! (or just Thaw, when nothing was released yet). A restored process does the same.
+//!
+//! A process whose hook does not answer, reports memory it cannot move, or fails before
+//! anything was released is thawed and left to the driver path alone, with the reason
+//! logged and recorded. Only a process whose memory was released and cannot be given
+//! back fails the checkpoint (after every other process got its memory back).
+//!
+//! Calls are blocking (the hook's protocol is synchronous); callers run them on a
+//! blocking thread. Processes are handled one after another.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use gpucr_hook::control::{socket_path, ControlClient, ControlError};
+use gpucr_hook::protocol::{CheckpointState, HookStatus, Outcome, Reply, Request, Verb};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// The record of the hook's part of a checkpoint, next to `gpucr-gpu.json`.
+pub const RECORD_FILE: &str = "gpucr-hook.json";
+/// The directory of the per-process GPU state images inside a checkpoint image.
+pub const IMAGE_DIR: &str = "gpu-hook";
+const RECORD_VERSION: u32 = 1;
+/// How long one verb may take (a copy of tens of GiB included).
+const CALL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Hook orchestration errors.
+#[derive(Debug, Error)]
+pub enum HookError {
+    #[error("hook of pid {pid}: {source}")]
+    Control {
+        pid: u32,
+        #[source]
+        source: ControlError,
+    },
+    #[error("hook of pid {pid}: {verb:?} failed: {message}")]
+    Verb {
+        pid: u32,
+        verb: Verb,
+        message: String,
+    },
+    #[error("hook of pid {pid}: {verb:?} answered {outcome}")]
+    Unexpected {
+        pid: u32,
+        verb: Verb,
+        outcome: String,
+    },
+    #[error("hook of pid {pid}: {what}: {source}")]
+    Io {
+        pid: u32,
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the hook of pid {pid} released its device memory and could not get it back \
+         ({cause}); the process stays frozen: kill it (its GPU state is lost) or restore \
+         the container from a checkpoint"
+    )]
+    Stranded { pid: u32, cause: String },
+    #[error("{path}: {msg}; take a new checkpoint")]
+    Record { path: PathBuf, msg: String },
+}
+
+type Result<T, E = HookError> = std::result::Result<T, E>;
+
+/// A container process with a hook socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HookProcess {
+    pub host_pid: u32,
+    /// Its pid in the container's pid namespace: the hook names its socket with it, and
+    /// CRIU keeps it, so it also names the process's image.
+    pub ns_pid: u32,
+    pub socket: PathBuf,
+}
+
+/// The pid of `host_pid` in its own (innermost) pid namespace (`NSpid` in its status).
+pub fn ns_pid(host_pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{host_pid}/status")).ok()?;
+    parse_ns_pid(&status)
+}
+
+fn parse_ns_pid(status: &str) -> Option<u32> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))?
+        .split_whitespace()
+        .last()?
+        .parse()
+        .ok()
+}
+
+/// The processes among `host_pids` whose hook socket is in `socket_dir`.
+pub fn find(socket_dir: &Path, host_pids: &[u32]) -> Vec<HookProcess> {
+    host_pids
+        .iter()
+        .filter_map(|&host_pid| {
+            let ns_pid = ns_pid(host_pid)?;
+            let socket = socket_path(socket_dir, ns_pid);
+            socket.exists().then_some(HookProcess {
+                host_pid,
+                ns_pid,
+                socket,
+            })
+        })
+        .collect()
+}
+
+/// One process's connection.
+struct Conn {
+    pid: u32,
+    client: ControlClient,
+}
+
+impl Conn {
+    fn open(p: &HookProcess) -> Result<Conn> {
+        let control = |source| HookError::Control {
+            pid: p.host_pid,
+            source,
+        };
+        let client = ControlClient::connect(&p.socket).map_err(control)?;
+        client
+            .set_timeout(Some(CALL_TIMEOUT))
+            .map_err(|e| control(ControlError::Frame(e.into())))?;
+        Ok(Conn {
+            pid: p.host_pid,
+            client,
+        })
+    }
+
+    fn reply(
+        &self,
+        verb: Verb,
+        reply: std::result::Result<Reply, ControlError>,
+    ) -> Result<Outcome> {
+        match reply.map_err(|source| HookError::Control {
+            pid: self.pid,
+            source,
+        })? {
+            Reply::Ok(outcome) => Ok(outcome),
+            Reply::Error(e) => Err(HookError::Verb {
+                pid: self.pid,
+                verb,
+                message: format!("{:?}: {}", e.kind, e.message),
+            }),
+        }
+    }
+
+    fn call(&mut self, req: &Request) -> Result<Outcome> {
+        let reply = self.client.call(req);
+        self.reply(req.verb(), reply)
+    }
+
+    fn status(&mut self) -> Result<HookStatus> {
+        match self.call(&Request::Status)? {
+            Outcome::Status(s) => Ok(s),
+            other => Err(self.unexpected(Verb::Status, &other)),
+        }
+    }
+
+    fn copy_out(&mut self, dir: &File, name: &Path) -> Result<(u64, usize)> {
+        let reply = self.client.copy_out_fd(dir, name, None);
+        match self.reply(Verb::CopyOut, reply)? {
+            Outcome::CopiedOut(r) => Ok((r.bytes, r.allocations)),
+            other => Err(self.unexpected(Verb::CopyOut, &other)),
+        }
+    }
+
+    fn copy_in(&mut self, image: &Path) -> Result<u64> {
+        let dir = File::open(image).map_err(|source| HookError::Io {
+            pid: self.pid,
+            what: format!("opening {}", image.display()),
+            source,
+        })?;
+        let reply = self.client.copy_in_fd(&dir);
+        match self.reply(Verb::CopyIn, reply)? {
+            Outcome::CopiedIn(r) => Ok(r.bytes),
+            other => Err(self.unexpected(Verb::CopyIn, &other)),
+        }
+    }
+
+    fn unexpected(&self, verb: Verb, outcome: &Outcome) -> HookError {
+        HookError::Unexpected {
+            pid: self.pid,
+            verb,
+            outcome: format!("{outcome:?}"),
+        }
+    }
+}
+
+fn ms_since(t: Instant) -> u64 {
+    t.elapsed().as_millis() as u64
+}
+
+/// What the checkpoint did with one process's hook.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProcessRecord {
+    pub host_pid: u32,
+    pub ns_pid: u32,
+    pub allocations: usize,
+    pub freeze_ms: u64,
+    pub copy_out_bytes: u64,
+    pub copy_out_ms: u64,
+    pub release_ms: u64,
+}
+
+/// A process left to the driver path, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Fallback {
+    pub host_pid: u32,
+    pub reason: String,
+}
+
+/// `gpucr-hook.json`: whether the container had the hook, and per process what moved.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HookRecord {
+    pub version: u32,
+    pub injected: bool,
+    pub processes: Vec<ProcessRecord>,
+    pub fallbacks: Vec<Fallback>,
+}
+
+impl HookRecord {
+    pub fn file_path(image: &Path) -> PathBuf {
+        image.join(RECORD_FILE)
+    }
+
+    /// The image directory of process `ns_pid` (never taken from the record's text).
+    pub fn image_of(image: &Path, ns_pid: u32) -> PathBuf {
+        image.join(IMAGE_DIR).join(ns_pid.to_string())
+    }
+
+    pub fn save(&self, image: &Path) -> Result<()> {
+        let path = Self::file_path(image);
+        let text = serde_json::to_vec_pretty(self).expect("hook record serializes");
+        std::fs::write(&path, text).map_err(|e| HookError::Record {
+            path,
+            msg: format!("cannot write: {e}"),
+        })
+    }
+
+    /// The record of `image`, if it has one.
+    pub fn load(image: &Path) -> Result<Option<HookRecord>> {
+        let path = Self::file_path(image);
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(HookError::Record {
+                    path,
+                    msg: format!("cannot read: {e}"),
+                })
+            }
+        };
+        let record: HookRecord = serde_json::from_slice(&text).map_err(|e| HookError::Record {
+            path: path.clone(),
+            msg: format!("damaged: {e}"),
+        })?;
+        if record.version > RECORD_VERSION {
+            return Err(HookError::Record {
+                path,
+                msg: format!(
+                    "version {} is newer than this gpucr understands ({RECORD_VERSION}); \
+                     upgrade gpucr",
+                    record.version
+                ),
+            });
+        }
+        Ok(Some(record))
+    }
+
+    /// Reads every process's image through (manifest, chunk checksums): a damaged or
+    /// missing one is refused before a restore changes anything.
+    pub fn validate(&self, image: &Path) -> Result<()> {
+        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
+        for p in &self.processes {
+            let dir = Self::image_of(image, p.ns_pid);
+            gpu_state::image::ImageReader::open(&dir)
+                .and_then(|r| r.verify(threads))
+                .map_err(|e| HookError::Record {
+                    path: dir.clone(),
+                    msg: format!("the GPU state image of pid {} is damaged: {e}", p.ns_pid),
+                })?;
+        }
+        Ok(())
+    }
+}
+
+/// How far a process got; what giving its memory back takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Frozen,
+    CopiedOut,
+    Released,
+}
+
+/// A process whose hook moved (part of) the checkpoint.
+#[derive(Debug)]
+struct Moved {
+    process: HookProcess,
+    stage: Stage,
+    record: ProcessRecord,
+}
+
+/// The hook's part of one checkpoint: processes frozen with their memory in the image
+/// (and released), and those left to the driver path. Give the memory back with
+/// [`HookCheckpoint::give_back`] unless CRIU killed the task.
+#[derive(Debug)]
+pub struct HookCheckpoint {
+    id: String,
+    image: PathBuf,
+    moved: Vec<Moved>,
+    fallbacks: Vec<Fallback>,
+}
+
+/// Checkpoint, before the driver's lock: Status → Freeze → CopyOut → Release for each of
+/// `processes`, images under `<image>/gpu-hook/`. A process that cannot is left running
+/// for the driver path; an error means a process could not be brought back (every other
+/// one was).
+pub fn copy_out(id: &str, processes: &[HookProcess], image: &Path) -> Result<HookCheckpoint> {
+    let mut cp = HookCheckpoint {
+        id: id.to_string(),
+        image: image.to_path_buf(),
+        moved: Vec::new(),
+        fallbacks: Vec::new(),
+    };
+    let root = image.join(IMAGE_DIR);
+    let dir = std::fs::create_dir_all(&root)
+        .and_then(|()| File::open(&root))
+        .map_err(|source| HookError::Io {
+            pid: 0,
+            what: format!("creating {}", root.display()),
+            source,
+        })?;
+    for p in processes {
+        match cp.move_one(p, &dir) {
+            Ok(moved) => {
+                tracing::info!(
+                    id,
+                    pid = p.host_pid,
+                    ns_pid = p.ns_pid,
+                    bytes = moved.record.copy_out_bytes,
+                    copy_out_ms = moved.record.copy_out_ms,
+                    "device memory moved by the hook"
+                );
+                cp.moved.push(moved);
+            }
+            Err(Outcome1::Fallback(reason)) => {
+                tracing::warn!(id, pid = p.host_pid, %reason, "hook fast path not used for \
+                    this process; the driver checkpoints all of its memory");
+                cp.fallbacks.push(Fallback {
+                    host_pid: p.host_pid,
+                    reason,
+                });
+            }
+            Err(Outcome1::Fatal(e)) => {
+                if let Err(again) = cp.give_back() {
+                    tracing::error!(id, "after a hook failure: {again}");
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(cp)
+}
+
+/// Why one process did not move.
+enum Outcome1 {
+    /// Running again with its memory: the driver path takes it.
+    Fallback(String),
+    /// Not running: the checkpoint must fail.
+    Fatal(HookError),
+}
+
+impl HookCheckpoint {
+    fn move_one(&self, p: &HookProcess, dir: &File) -> std::result::Result<Moved, Outcome1> {
+        let fallback = |e: HookError| Outcome1::Fallback(e.to_string());
+        let mut conn = Conn::open(p).map_err(fallback)?;
+        let status = conn.status().map_err(fallback)?;
+        if let Some(first) = status.unsupported.first() {
+            return Err(Outcome1::Fallback(format!(
+                "{} allocation(s) the hook cannot move (first: {first:?})",
+                status.unsupported.len()
+            )));
+        }
+        if status.state != CheckpointState::Running {
+            return Err(Outcome1::Fallback(format!(
+                "the hook is {:?}, not Running (an earlier checkpoint did not finish)",
+                status.state
+            )));
+        }
+        let mut moved = Moved {
+            process: p.clone(),
+            stage: Stage::Frozen,
+            record: ProcessRecord {
+                host_pid: p.host_pid,
+                ns_pid: p.ns_pid,
+                allocations: status.allocations,
+                freeze_ms: 0,
+                copy_out_bytes: 0,
+                copy_out_ms: 0,
+                release_ms: 0,
+            },
+        };
+        let t = Instant::now();
+        conn.call(&Request::Freeze).map_err(fallback)?;
+        moved.record.freeze_ms = ms_since(t);
+        let t = Instant::now();
+        let name = PathBuf::from(p.ns_pid.to_string());
+        let steps = conn.copy_out(dir, &name).and_then(|(bytes, allocations)| {
+            moved.stage = Stage::CopiedOut;
+            moved.record.copy_out_ms = ms_since(t);
+            (moved.record.copy_out_bytes, moved.record.allocations) = (bytes, allocations);
+            let t = Instant::now();
+            conn.call(&Request::Release)?;
+            moved.record.release_ms = ms_since(t);
+            moved.stage = Stage::Released;
+            Ok(())
+        });
+        match steps {
+            Ok(()) => Ok(moved),
+            // The hook undid a failed release itself; the process is CopiedOut or Frozen.
+            Err(e) => match give_back_one(&self.image, &moved, &mut conn) {
+                Ok(()) => {
+                    let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, p.ns_pid));
+                    Err(fallback(e))
+                }
+                Err(undo) => Err(Outcome1::Fatal(HookError::Stranded {
+                    pid: p.host_pid,
+                    cause: format!("{e}; then {undo}"),
+                })),
+            },
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.moved.is_empty() && self.fallbacks.is_empty()
+    }
+
+    /// Host pids of the processes whose memory the hook moved.
+    pub fn moved_pids(&self) -> Vec<u32> {
+        self.moved.iter().map(|m| m.process.host_pid).collect()
+    }
+
+    /// The record of this checkpoint (`injected`: the container had the hook).
+    pub fn record(&self) -> HookRecord {
+        HookRecord {
+            version: RECORD_VERSION,
+            injected: true,
+            processes: self.moved.iter().map(|m| m.record.clone()).collect(),
+            fallbacks: self.fallbacks.clone(),
+        }
+    }
+
+    /// Every moved process gets its memory back and runs (after the driver's unlock:
+    /// the lock would block the hook's own CUDA calls). Tries all; returns the first
+    /// failure.
+    pub fn give_back(mut self) -> Result<()> {
+        let mut first = None;
+        for m in std::mem::take(&mut self.moved) {
+            let res = Conn::open(&m.process)
+                .and_then(|mut conn| give_back_one(&self.image, &m, &mut conn));
+            if let Err(e) = res {
+                tracing::error!(id = %self.id, pid = m.process.host_pid, "hook: {e}");
+                let e = match m.stage {
+                    Stage::Released => HookError::Stranded {
+                        pid: m.process.host_pid,
+                        cause: e.to_string(),
+                    },
+                    _ => e,
+                };
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+/// Remap → CopyIn → Thaw, or Thaw alone when nothing was released.
+fn give_back_one(image: &Path, m: &Moved, conn: &mut Conn) -> Result<()> {
+    if m.stage == Stage::Released {
+        let t = Instant::now();
+        conn.call(&Request::Remap)?;
+        let remap_ms = ms_since(t);
+        let t = Instant::now();
+        let bytes = conn.copy_in(&HookRecord::image_of(image, m.process.ns_pid))?;
+        tracing::info!(
+            pid = m.process.host_pid,
+            remap_ms,
+            copy_in_ms = ms_since(t),
+            bytes,
+            "device memory given back by the hook"
+        );
+    }
+    conn.call(&Request::Thaw)?;
+    Ok(())
+}
+
+/// Restore, after the driver's restore and unlock: each process of `record` (named by
+/// its namespace pid, which CRIU kept) gets its memory back from the image and runs.
+/// Returns how many.
+pub fn copy_in_restored(
+    id: &str,
+    socket_dir: &Path,
+    image: &Path,
+    record: &HookRecord,
+) -> Result<usize> {
+    for p in &record.processes {
+        let process = HookProcess {
+            host_pid: p.ns_pid,
+            ns_pid: p.ns_pid,
+            socket: socket_path(socket_dir, p.ns_pid),
+        };
+        let mut conn = Conn::open(&process)?;
+        let status = conn.status()?;
+        if status.state != CheckpointState::Released {
+            return Err(HookError::Unexpected {
+                pid: p.ns_pid,
+                verb: Verb::Status,
+                outcome: format!(
+                    "state {:?} after a restore (Released expected)",
+                    status.state
+                ),
+            });
+        }
+        let moved = Moved {
+            process,
+            stage: Stage::Released,
+            record: p.clone(),
+        };
+        give_back_one(image, &moved, &mut conn)?;
+        tracing::info!(
+            id,
+            ns_pid = p.ns_pid,
+            "restored process's device memory copied in"
+        );
+    }
+    Ok(record.processes.len())
+}
+
+#[cfg(test)]
+#[path = "gpu_hook_tests.rs"]
+mod tests;

@@ -1,0 +1,217 @@
+use super::*;
+use std::sync::Arc;
+
+use gpucr_hook::driver::{DriverCall, VmmDriver};
+use gpucr_hook::fake::FakeDriver;
+use gpucr_hook::fastpath::FastPathOptions;
+use gpucr_hook::gate::GateState;
+use gpucr_hook::hook::Hook;
+
+/// A CUDA process stand-in: a real hook over the fake driver, serving its socket.
+struct FakeProcess {
+    hook: Hook<FakeDriver>,
+    driver: Arc<FakeDriver>,
+    data: Vec<(u64, Vec<u8>)>,
+    process: HookProcess,
+    _sockets: tempfile::TempDir,
+}
+
+fn fake(ns_pid: u32) -> FakeProcess {
+    let driver = Arc::new(FakeDriver::default());
+    let opts = FastPathOptions {
+        pid: Some(ns_pid),
+        freeze_timeout: Duration::from_secs(10),
+        ..FastPathOptions::default()
+    };
+    let hook = Hook::new(driver.clone(), opts).unwrap();
+    let data = (0..3u64)
+        .map(|i| {
+            let bytes: Vec<u8> = (0..50_000 + i * 1000)
+                .map(|b| (b * (i + 3)) as u8)
+                .collect();
+            let va = hook.alloc(bytes.len() as u64).unwrap();
+            driver.copy_from_host(va, &bytes).unwrap();
+            (va, bytes)
+        })
+        .collect();
+    let sockets = tempfile::tempdir().unwrap();
+    let socket = hook.serve(sockets.path()).unwrap();
+    FakeProcess {
+        hook,
+        driver,
+        data,
+        process: HookProcess {
+            host_pid: ns_pid + 100_000,
+            ns_pid,
+            socket,
+        },
+        _sockets: sockets,
+    }
+}
+
+impl FakeProcess {
+    /// Running, with every byte of its device memory as it was.
+    fn assert_intact(&self) {
+        assert_eq!(self.hook.state(), CheckpointState::Running);
+        assert_eq!(self.hook.gate().state(), GateState::Running);
+        for (va, want) in &self.data {
+            let mut got = vec![0u8; want.len()];
+            self.driver.copy_to_host(*va, &mut got).unwrap();
+            assert!(got == *want, "device memory at {va:#x} changed");
+        }
+    }
+}
+
+#[test]
+fn ns_pid_is_the_innermost() {
+    assert_eq!(parse_ns_pid("Name:\tx\nNSpid:\t4242\t7\t1\n"), Some(1));
+    assert_eq!(parse_ns_pid("NSpid:\t99\n"), Some(99));
+    assert_eq!(parse_ns_pid("Pid:\t99\n"), None);
+    assert_eq!(ns_pid(std::process::id()), Some(std::process::id()));
+}
+
+#[test]
+fn find_keeps_processes_with_a_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let me = std::process::id();
+    assert!(find(dir.path(), &[me]).is_empty());
+    std::fs::write(socket_path(dir.path(), me), b"").unwrap();
+    let found = find(dir.path(), &[me, u32::MAX - 1]);
+    assert_eq!(found.len(), 1);
+    assert_eq!((found[0].host_pid, found[0].ns_pid), (me, me));
+}
+
+#[test]
+fn checkpoint_moves_memory_and_gives_it_back() {
+    let procs = [fake(11), fake(12)];
+    let image = tempfile::tempdir().unwrap();
+    let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
+    let cp = copy_out("c", &targets, image.path()).unwrap();
+    for p in &procs {
+        assert_eq!(p.hook.state(), CheckpointState::Released);
+        assert!(HookRecord::image_of(image.path(), p.process.ns_pid).is_dir());
+    }
+    let record = cp.record();
+    assert!(record.injected && record.fallbacks.is_empty());
+    assert_eq!(record.processes.len(), 2);
+    assert_eq!(record.processes[0].copy_out_bytes, 50_000 + 51_000 + 52_000);
+    assert_eq!(record.processes[0].allocations, 3);
+    record.save(image.path()).unwrap();
+    let loaded = HookRecord::load(image.path()).unwrap().unwrap();
+    assert_eq!(loaded, record);
+    loaded.validate(image.path()).unwrap();
+    // After the dump (leave-running), or a failure before it: memory back, running.
+    cp.give_back().unwrap();
+    procs.iter().for_each(FakeProcess::assert_intact);
+}
+
+#[test]
+fn unsupported_memory_or_a_dead_socket_leaves_the_process_to_the_driver() {
+    let odd = fake(21);
+    odd.hook
+        .record_unsupported(gpucr_hook::alloc::UnsupportedKind::Managed, 0x10_0000, 4096);
+    let good = fake(22);
+    let dead = HookProcess {
+        host_pid: 23,
+        ns_pid: 23,
+        socket: PathBuf::from("/nonexistent/hook-23.sock"),
+    };
+    let image = tempfile::tempdir().unwrap();
+    let targets = [odd.process.clone(), dead, good.process.clone()];
+    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let record = cp.record();
+    assert_eq!(record.processes.len(), 1);
+    assert_eq!(record.processes[0].ns_pid, 22);
+    assert_eq!(record.fallbacks.len(), 2);
+    assert!(
+        record.fallbacks[0].reason.contains("cannot move"),
+        "{record:?}"
+    );
+    assert_eq!(odd.hook.state(), CheckpointState::Running);
+    assert!(!HookRecord::image_of(image.path(), 21).exists());
+    cp.give_back().unwrap();
+    good.assert_intact();
+}
+
+#[test]
+fn a_failed_copy_out_or_release_thaws_and_falls_back() {
+    let image = tempfile::tempdir().unwrap();
+    let copy_fails = fake(31);
+    copy_fails.driver.fail_next(DriverCall::CopyToHost);
+    let release_fails = fake(32);
+    release_fails.driver.fail_nth(DriverCall::Release, 1);
+    let targets = [copy_fails.process.clone(), release_fails.process.clone()];
+    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let record = cp.record();
+    assert!(record.processes.is_empty(), "{record:?}");
+    assert_eq!(record.fallbacks.len(), 2);
+    assert!(record.fallbacks[1].reason.contains("Release"), "{record:?}");
+    copy_fails.assert_intact();
+    release_fails.assert_intact();
+    // Nothing of theirs is left for a restore to find.
+    assert!(!HookRecord::image_of(image.path(), 31).exists());
+    assert!(!HookRecord::image_of(image.path(), 32).exists());
+    cp.give_back().unwrap();
+}
+
+#[test]
+fn give_back_tries_every_process_and_reports_the_stranded_one() {
+    let procs = [fake(41), fake(42)];
+    let image = tempfile::tempdir().unwrap();
+    let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
+    let cp = copy_out("c", &targets, image.path()).unwrap();
+    procs[0].driver.fail_next(DriverCall::Create);
+    let err = cp.give_back().unwrap_err();
+    assert!(matches!(err, HookError::Stranded { .. }), "{err}");
+    assert!(err.to_string().contains("kill it"), "{err}");
+    procs[1].assert_intact();
+    assert_eq!(procs[0].hook.state(), CheckpointState::Released);
+}
+
+#[test]
+fn a_restored_process_gets_its_memory_from_the_image() {
+    let me = std::process::id();
+    let p = fake(me);
+    let image = tempfile::tempdir().unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path()).unwrap();
+    let record = cp.record();
+    // As after CRIU's restore: the hook answers in the new socket directory, Released.
+    let socket_dir = p.process.socket.parent().unwrap();
+    drop(cp);
+    let n = copy_in_restored("c", socket_dir, image.path(), &record).unwrap();
+    assert_eq!(n, 1);
+    p.assert_intact();
+    // Not Released any more: a second restore of the same process is refused.
+    assert!(copy_in_restored("c", socket_dir, image.path(), &record).is_err());
+}
+
+#[test]
+fn a_damaged_or_missing_hook_image_is_refused() {
+    let p = fake(51);
+    let image = tempfile::tempdir().unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path()).unwrap();
+    let record = cp.record();
+    cp.give_back().unwrap();
+    record.validate(image.path()).unwrap();
+    let dir = HookRecord::image_of(image.path(), 51);
+    let data = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| std::fs::metadata(p).unwrap().len() > 64 && !p.ends_with("manifest.json"))
+        .expect("a data file");
+    let mut bytes = std::fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&data, bytes).unwrap();
+    let err = record.validate(image.path()).unwrap_err();
+    assert!(err.to_string().contains("damaged"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(record.validate(image.path()).is_err());
+
+    std::fs::write(HookRecord::file_path(image.path()), b"{").unwrap();
+    assert!(HookRecord::load(image.path()).is_err());
+    assert!(HookRecord::load(tempfile::tempdir().unwrap().path())
+        .unwrap()
+        .is_none());
+}
