@@ -224,6 +224,14 @@ unsafe fn wrap_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int
     if family.is_empty() {
         return;
     }
+    // Already ours (a driver whose own lookup finds the preloaded names): keeping it
+    // is right, storing it in a slot would make the wrapper call itself.
+    if family
+        .iter()
+        .any(|n| entry(n).is_some_and(|(w, _)| w == real))
+    {
+        return;
+    }
     for name in &family {
         if let Some((wrapper, slot)) = entry(name) {
             if slot.get() == real {

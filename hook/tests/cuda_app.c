@@ -1,0 +1,141 @@
+/* A CUDA driver API client for the interposition tests (tests/fake-libcuda as its
+ * libcuda.so.1; device pointers are host addresses there). It reaches the driver the
+ * two ways real programs do: through cuGetProcAddress_v2, asking it for
+ * cuGetProcAddress itself first (the CUDA runtime), and with plain dlsym on libcuda's
+ * handle (PyTorch).
+ *
+ * Usage: cuda_app [managed]. Prints "sym <name> <library> <symbol>" for resolved
+ * functions, then "ready <a> <size_a> <b> <size_b>", then answers stdin lines:
+ * check -> "ok <hash>" | "bad <offset>"; launch -> "launched <rc>"; free -> "freed <rc> <rc>";
+ * quit. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef CUresult (*gpa2_t)(const char *, void **, int, unsigned long long, int *);
+typedef CUresult (*init_t)(unsigned);
+typedef CUresult (*dev_get_t)(int *, int);
+typedef CUresult (*retain_t)(void **, int);
+typedef CUresult (*set_ctx_t)(void *);
+typedef CUresult (*alloc_t)(CUdeviceptr *, size_t);
+typedef CUresult (*managed_t)(CUdeviceptr *, size_t, unsigned);
+typedef CUresult (*free_t)(CUdeviceptr);
+typedef CUresult (*dtoh_t)(void *, CUdeviceptr, size_t);
+typedef CUresult (*launch_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, unsigned, void *, void **, void **);
+
+static void *lib;
+static gpa2_t gpa;
+
+static void show(const char *what, void *fn) {
+  Dl_info info;
+  if (fn && dladdr(fn, &info) && info.dli_fname) {
+    const char *base = strrchr(info.dli_fname, '/');
+    printf("sym %s %s %s\n", what, base ? base + 1 : info.dli_fname,
+           info.dli_sname ? info.dli_sname : "?");
+  } else {
+    printf("sym %s none none\n", what);
+  }
+}
+
+static void *proc(const char *name, int version, unsigned long long flags) {
+  void *fn = NULL;
+  int status = -1;
+  if (gpa(name, &fn, version, flags, &status) != 0 || !fn) {
+    fprintf(stderr, "cuGetProcAddress(%s) failed\n", name);
+    exit(2);
+  }
+  show(name, fn);
+  return fn;
+}
+
+static unsigned char pattern_a(size_t i, unsigned launches) {
+  return (unsigned char)(i * 7 + 1 + launches);
+}
+static unsigned char pattern_b(size_t i) { return (unsigned char)(i * 13 + 5); }
+
+int main(int argc, char **argv) {
+  int managed = argc > 1 && strcmp(argv[1], "managed") == 0;
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  lib = dlopen("libcuda.so.1", RTLD_NOW);
+  if (!lib) {
+    fprintf(stderr, "dlopen: %s\n", dlerror());
+    return 2;
+  }
+  gpa2_t first = (gpa2_t)dlsym(lib, "cuGetProcAddress_v2");
+  if (!first) return 2;
+  show("dlsym:cuGetProcAddress_v2", (void *)first);
+  gpa = first;
+  gpa = (gpa2_t)proc("cuGetProcAddress", 12000, 0);
+  ((init_t)proc("cuInit", 2000, 0))(0);
+  int dev = -1;
+  void *ctx = NULL;
+  if (((dev_get_t)proc("cuDeviceGet", 2000, 0))(&dev, 0) ||
+      ((retain_t)proc("cuDevicePrimaryCtxRetain", 7000, 0))(&ctx, dev) ||
+      ((set_ctx_t)proc("cuCtxSetCurrent", 4000, 0))(ctx))
+    return 3;
+  alloc_t alloc = (alloc_t)proc("cuMemAlloc", 3020, 0);
+  launch_t launch = (launch_t)proc("cuLaunchKernel", 4000, 2);
+  dtoh_t dtoh = (dtoh_t)proc("cuMemcpyDtoH", 3020, 2);
+  alloc_t alloc_v2 = (alloc_t)dlsym(lib, "cuMemAlloc_v2");
+  free_t free_v2 = (free_t)dlsym(lib, "cuMemFree_v2");
+  show("dlsym:cuMemAlloc_v2", (void *)alloc_v2);
+  show("dlsym:cuMemFree_v2", (void *)free_v2);
+
+  size_t na = (5 << 20) + 123, nb = 3 << 20;
+  CUdeviceptr a = 0, b = 0;
+  if (alloc(&a, na) || alloc_v2(&b, nb)) return 4;
+  unsigned char *pa = (unsigned char *)(uintptr_t)a, *pb = (unsigned char *)(uintptr_t)b;
+  for (size_t i = 0; i < na; i++) pa[i] = pattern_a(i, 0) - 1;
+  for (size_t i = 0; i < nb; i++) pb[i] = pattern_b(i);
+  unsigned launches = 0;
+  void *params[2] = {&a, &na};
+  /* The built-in kernel adds one to every byte: pattern_a(i, 0) after this. */
+  if (launch(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL)) return 5;
+  if (managed) {
+    CUdeviceptr m = 0;
+    if (((managed_t)proc("cuMemAllocManaged", 6000, 0))(&m, 4096, 1)) return 6;
+  }
+  printf("ready %llx %zu %llx %zu\n", a, na, b, nb);
+
+  char line[64];
+  while (fgets(line, sizeof line, stdin)) {
+    if (strncmp(line, "check", 5) == 0) {
+      /* Read through the driver copy too (wrapped _ptds variant). */
+      unsigned char *copy = malloc(na);
+      if (!copy || dtoh(copy, a, na)) {
+        printf("bad copy\n");
+        continue;
+      }
+      long bad = -1;
+      uint64_t hash = 1469598103934665603ull;
+      for (size_t i = 0; i < na && bad < 0; i++) {
+        if (pa[i] != pattern_a(i, launches) || copy[i] != pa[i]) bad = (long)i;
+        hash = (hash ^ pa[i]) * 1099511628211ull;
+      }
+      for (size_t i = 0; i < nb && bad < 0; i++) {
+        if (pb[i] != pattern_b(i)) bad = (long)(na + i);
+        hash = (hash ^ pb[i]) * 1099511628211ull;
+      }
+      free(copy);
+      if (bad >= 0)
+        printf("bad %ld\n", bad);
+      else
+        printf("ok %016llx\n", (unsigned long long)hash);
+    } else if (strncmp(line, "launch", 6) == 0) {
+      CUresult rc = launch(NULL, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL);
+      if (rc == 0) launches++;
+      printf("launched %d\n", rc);
+    } else if (strncmp(line, "free", 4) == 0) {
+      printf("freed %d %d\n", free_v2(a), free_v2(b));
+    } else if (strncmp(line, "quit", 4) == 0) {
+      break;
+    }
+  }
+  return 0;
+}
