@@ -255,8 +255,8 @@ unsafe fn wrap_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: c_int
         family
             .iter()
             .copied()
-            .filter(|n| per_thread(n) == want_pt)
-            .last()
+            .rev()
+            .find(|n| per_thread(n) == want_pt)
     };
     let Some((wrapper, slot)) = pick.and_then(entry) else {
         note(format_args!(

@@ -201,7 +201,7 @@ pub unsafe extern "C" fn cuMemAddressReserve(
     _flags: c_ulonglong,
 ) -> CuResult {
     need_ctx!("cuMemAddressReserve");
-    if ptr.is_null() || size == 0 || size % GRANULARITY != 0 {
+    if ptr.is_null() || size == 0 || size & (GRANULARITY - 1) != 0 {
         return log(format_args!("cuMemAddressReserve {size}"), INVALID_VALUE);
     }
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE;
@@ -265,7 +265,7 @@ pub unsafe extern "C" fn cuMemCreate(
     _flags: c_ulonglong,
 ) -> CuResult {
     need_ctx!("cuMemCreate");
-    if handle.is_null() || size == 0 || size % GRANULARITY != 0 {
+    if handle.is_null() || size == 0 || size & (GRANULARITY - 1) != 0 {
         return log(format_args!("cuMemCreate {size}"), INVALID_VALUE);
     }
     let fd = libc::memfd_create(c"fake-cuda-physical".as_ptr(), libc::MFD_CLOEXEC);
