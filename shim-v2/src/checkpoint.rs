@@ -3,6 +3,11 @@
 //!
 //! Every checkpoint writes `gpucr-checkpoint.json` into the image: the files and their sizes
 //! (and a checksum of the small ones), so a truncated or damaged image is refused at Create.
+//! The hook's GPU state images (`gpu-hook/<pid>/`) are listed too, and read through (their
+//! own checksums) before a restore.
+//!
+//! With the hook (see `gpu_hook`), its processes move their device memory first:
+//! hook copy-out → driver lock + checkpoint → dump → driver restore + unlock → hook give-back.
 
 use std::{
     collections::BTreeMap,
@@ -15,7 +20,9 @@ use serde::{Deserialize, Serialize};
 use crate::{
     container::Container,
     error::{Error, IoContext, Result},
-    gpu, host,
+    gpu,
+    gpu_hook::{self, HookCheckpoint, HookRecord},
+    hook_spec, host,
     options::CheckpointRequest,
     process::state::{InitState, Verb},
     runc::CheckpointOpts,
@@ -52,12 +59,22 @@ fn fnv1a64(data: &[u8]) -> String {
     format!("{h:016x}")
 }
 
+/// The image's files (the top level, and the hook's images under `gpu-hook/`).
 fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
     let mut files = BTreeMap::new();
+    scan_into(dir, "", &mut files)?;
+    Ok(files)
+}
+
+fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, FileEntry>) -> Result<()> {
     for e in std::fs::read_dir(dir).ctx(|| format!("reading {}", dir.display()))? {
         let e = e.ctx(|| format!("reading {}", dir.display()))?;
-        let name = e.file_name().to_string_lossy().into_owned();
+        let name = format!("{prefix}{}", e.file_name().to_string_lossy());
         let md = e.metadata().ctx(|| format!("stat {name}"))?;
+        if md.is_dir() && (name == gpu_hook::IMAGE_DIR || !prefix.is_empty()) {
+            scan_into(&e.path(), &format!("{name}/"), files)?;
+            continue;
+        }
         if !md.is_file() || name == MANIFEST {
             continue;
         }
@@ -75,7 +92,7 @@ fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
             },
         );
     }
-    Ok(files)
+    Ok(())
 }
 
 /// CRIU errors that appear in every run on some hosts and never cause a failure.
@@ -143,7 +160,19 @@ pub fn validate_image(id: &str, image: &Path) -> Result<()> {
             Some(_) => {}
         }
     }
+    // The hook's images: every chunk against its checksum, before anything changes.
+    if let Some(record) = HookRecord::load(image).map_err(|e| refuse(e.to_string()))? {
+        record.validate(image).map_err(|e| refuse(e.to_string()))?;
+    }
     Ok(())
+}
+
+/// Gives the hook's processes their memory back (a blocking worker).
+pub(crate) async fn give_back_blocking(h: HookCheckpoint) -> Result<()> {
+    tokio::task::spawn_blocking(move || h.give_back())
+        .await
+        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?
+        .map_err(Error::from)
 }
 
 impl Container {
@@ -182,7 +211,17 @@ impl Container {
             empty_ns: req.empty_namespaces.clone(),
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
-        let quiesced = self.quiesce_gpu(init.state).await?;
+        // The hook first: the driver's lock would block the hook's own CUDA calls.
+        let hooked = self.hook_copy_out(init.state, image).await?;
+        let quiesced = match self.quiesce_gpu(init.state).await {
+            Ok(q) => q,
+            Err(e) => {
+                if let Err(h) = self.hook_give_back(hooked, init.state).await {
+                    tracing::error!(id = %self.id, "after a failed GPU quiesce: {h}");
+                }
+                return Err(e);
+            }
+        };
         let thawed = self.thaw_for_plugin(init.state).await?;
         let started = Instant::now();
         tracing::info!(id = %self.id, image = %image.display(), exit = req.exit, "checkpoint");
@@ -207,6 +246,9 @@ impl Container {
                     msg = format!("{msg}; and then {g}");
                 }
             }
+            if let Err(h) = self.hook_give_back(hooked, init.state).await {
+                msg = format!("{msg}; and then {h}");
+            }
             tracing::error!(id = %self.id, "checkpoint failed: {msg}");
             return Err(Error::Checkpoint {
                 id: self.id.clone(),
@@ -223,6 +265,9 @@ impl Container {
                         if let Err(g) = self.resume_gpu(q, init.state).await {
                             tracing::error!(id = %self.id, "after a failed GPU record: {g}");
                         }
+                        if let Err(h) = self.hook_give_back(hooked, init.state).await {
+                            tracing::error!(id = %self.id, "after a failed GPU record: {h}");
+                        }
                     }
                     return Err(e);
                 }
@@ -230,6 +275,13 @@ impl Container {
             }
             None => None,
         };
+        // Whether the hook was there, and what it moved (timings, bytes, fallbacks).
+        if let Some(h) = &hooked {
+            if let Err(e) = h.record().save(image) {
+                tracing::error!(id = %self.id, "no hook record in the image (a restore cannot \
+                    give the moved memory back): {e}");
+            }
+        }
         // What another host needs to fit this container: CDI devices, mounts, GPU UUIDs.
         if let Err(e) = host::record(&self.bundle, image) {
             tracing::warn!(id = %self.id, "no host manifest in the image (restores elsewhere \
@@ -241,10 +293,15 @@ impl Container {
         }
         // The task lives on (leave-running): its GPU must too, whether or not the manifest
         // was written.
-        let resumed = match quiesced {
+        let mut resumed = match quiesced {
             Some(q) if !req.exit => self.resume_gpu(q, init.state).await,
             _ => Ok(()),
         };
+        // With `exit` CRIU killed the task: nothing to give back to.
+        if !req.exit {
+            let given = self.hook_give_back(hooked, init.state).await;
+            resumed = resumed.and(given);
+        }
         if let (Err(_), Err(g)) = (&written, &resumed) {
             tracing::error!(id = %self.id, "after a failed manifest: {g}");
         }
@@ -273,6 +330,64 @@ impl Container {
         let locked = res?;
         *self.gpu_locked.lock().expect("gpu_locked lock") = Some(locked);
         Ok(())
+    }
+
+    /// The hook's copy-out (freeze → copy-out → release) of each CUDA process whose hook
+    /// answers, when the container has the hook and the shim quiesces. A paused task is
+    /// thawed for it (the hook's control thread must run) and paused again.
+    async fn hook_copy_out(
+        &self,
+        state: InitState,
+        image: &Path,
+    ) -> Result<Option<HookCheckpoint>> {
+        if !self.hook || self.gpu.quiescer != gpu::Quiescer::Shim {
+            return Ok(None);
+        }
+        let pids = gpu::nvidia_pids(&self.runc.ps(&self.id).await?);
+        let sockets = hook_spec::socket_dir(&self.bundle);
+        let paused = state == InitState::Paused;
+        if paused {
+            self.runc.resume(&self.id).await?;
+        }
+        let (id, image) = (self.id.clone(), image.to_path_buf());
+        let res = tokio::task::spawn_blocking(move || {
+            let processes = gpu_hook::find(&sockets, &pids);
+            gpu_hook::copy_out(&id, &processes, &image)
+        })
+        .await;
+        if paused {
+            if let Err(e) = self.runc.pause(&self.id).await {
+                tracing::error!(id = %self.id, "re-pausing after the hook's copy-out: {e}");
+            }
+        }
+        let res = res.map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?;
+        res.map(Some).map_err(|e| Error::Checkpoint {
+            id: self.id.clone(),
+            msg: e.to_string(),
+            log: None,
+        })
+    }
+
+    /// Gives the hook's processes their memory back (after the driver's unlock). A task
+    /// the client paused is thawed for it, unless the driver keeps it LOCKED until Resume:
+    /// then Resume gives the memory back, after the unlock.
+    async fn hook_give_back(&self, hooked: Option<HookCheckpoint>, state: InitState) -> Result<()> {
+        let Some(h) = hooked.filter(|h| !h.moved_pids().is_empty()) else {
+            return Ok(());
+        };
+        if state != InitState::Paused {
+            return give_back_blocking(h).await;
+        }
+        if self.gpu_locked.lock().expect("gpu_locked lock").is_some() {
+            *self.hook_pending.lock().expect("hook_pending lock") = Some(h);
+            return Ok(());
+        }
+        self.runc.resume(&self.id).await?;
+        let res = give_back_blocking(h).await;
+        if let Err(e) = self.runc.pause(&self.id).await {
+            tracing::error!(id = %self.id, "re-pausing after the hook's give-back: {e}");
+        }
+        res
     }
 
     /// Locks and checkpoints the container's CUDA processes when the shim is the quiescer.
@@ -414,6 +529,25 @@ mod tests {
         std::fs::write(dir.path().join(MANIFEST), b"{not json").unwrap();
         let e = validate_image("c", dir.path()).unwrap_err();
         assert!(e.to_string().contains("damaged"), "{e}");
+    }
+
+    #[test]
+    fn the_hook_images_are_in_the_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("inventory.img"), b"inv").unwrap();
+        let hook_dir = dir.path().join(gpu_hook::IMAGE_DIR).join("7");
+        std::fs::create_dir_all(&hook_dir).unwrap();
+        std::fs::write(hook_dir.join("data-0.bin"), vec![1u8; 100]).unwrap();
+        std::fs::create_dir(dir.path().join("other")).unwrap();
+        std::fs::write(dir.path().join("other/x"), b"x").unwrap();
+        let files = scan(dir.path()).unwrap();
+        assert!(files.contains_key("gpu-hook/7/data-0.bin"), "{files:?}");
+        assert!(!files.contains_key("other/x"));
+        write_manifest("c", dir.path(), true, 1).unwrap();
+        validate_image("c", dir.path()).unwrap();
+        std::fs::write(hook_dir.join("data-0.bin"), vec![1u8; 10]).unwrap();
+        let e = validate_image("c", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("gpu-hook/7/data-0.bin"), "{e}");
     }
 
     #[test]

@@ -17,7 +17,8 @@ use tokio::sync::Mutex;
 use crate::{
     error::{Error, IoContext, Result},
     gpu::{self, GpuConfig},
-    host,
+    gpu_hook::{self, HookRecord},
+    hook_spec, host,
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
     process::{
@@ -45,6 +46,11 @@ pub struct Container {
     pub gpu: GpuConfig,
     /// CUDA processes left LOCKED by a checkpoint of a paused task; unlocked by Resume.
     pub gpu_locked: std::sync::Mutex<Option<gpu::Quiesced>>,
+    /// Whether the container's processes have the hook library preloaded.
+    pub hook: bool,
+    /// Processes whose hook still holds its memory released after a checkpoint of a
+    /// paused, driver-locked task: given back by Resume, after the driver's unlock.
+    pub hook_pending: std::sync::Mutex<Option<gpu_hook::HookCheckpoint>>,
     /// The init process; held across one verb (see InitProcess).
     pub init: Mutex<InitProcess>,
     pub init_exit: ExitCell,
@@ -148,6 +154,7 @@ impl Container {
         let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
         let mut gpu_pairs = Vec::new();
         let mut gpu_processes = 0;
+        let hook;
         if let Some(image) = &cfg.checkpoint {
             crate::checkpoint::validate_image(&cfg.id, image)?;
             // Refuse what this host cannot take before anything is created.
@@ -160,9 +167,18 @@ impl Container {
                 gpu::check_restore(&record).map_err(refuse)?;
                 gpu_processes = record.processes.len();
             }
+            // CRIU restores the hook's bind mounts by destination: they must be in the spec
+            // (with this host's sources) before the host plan checks every recorded mount.
+            hook = HookRecord::load(image)
+                .map_err(|e| refuse(e.into()))?
+                .is_some_and(|r| r.injected);
+            if hook {
+                hook_spec::inject_at_restore(&cfg.bundle).map_err(refuse)?;
+            }
             gpu_pairs = host::plan_restore(&cfg.bundle, image).map_err(refuse)?;
         } else {
             host::inject_cdi_devices(&cfg.bundle)?;
+            hook = hook_spec::inject_at_create(&cfg.id, &cfg.bundle)?;
         }
         mount_rootfs(&cfg.rootfs, &cfg.bundle)?;
         let init = match &cfg.checkpoint {
@@ -236,6 +252,8 @@ impl Container {
             rootfs: cfg.rootfs,
             gpu,
             gpu_locked: std::sync::Mutex::new(None),
+            hook,
+            hook_pending: std::sync::Mutex::new(None),
             init: Mutex::new(init),
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
@@ -284,7 +302,8 @@ impl Container {
             self.runc.restore(&self.id, &r, child).await?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
-            if let Err(e) = self.fit_restored(pid, gpu_pairs, gpu_expected).await {
+            let image = &r.checkpoint.image_path;
+            if let Err(e) = self.fit_restored(pid, image, gpu_pairs, gpu_expected).await {
                 // Kill the half-restored tree before it is deleted below.
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid as i32),
@@ -325,10 +344,12 @@ impl Container {
 
     /// After `runc restore`: this host's device nodes, then the GPU state of the restored CUDA
     /// processes (they wait CHECKPOINTED, their CUDA calls blocked, until the driver gives their
-    /// device memory back).
+    /// device memory back), then the memory their hooks moved (after the driver's unlock: the
+    /// hook's own CUDA calls need it).
     async fn fit_restored(
         &self,
         pid: u32,
+        image: &Path,
         gpu_pairs: Vec<gpu_state::GpuPair>,
         gpu_expected: usize,
     ) -> Result<()> {
@@ -350,6 +371,24 @@ impl Container {
         if n > 0 {
             tracing::info!(id = %self.id, processes = n, "GPU state restored");
         }
+        self.hook_restore(image).await
+    }
+
+    /// Remap → CopyIn → Thaw for every process whose memory the checkpoint's hooks moved.
+    async fn hook_restore(&self, image: &Path) -> Result<()> {
+        let Some(record) = HookRecord::load(image)?.filter(|r| !r.processes.is_empty()) else {
+            return Ok(());
+        };
+        let (id, image) = (self.id.clone(), image.to_path_buf());
+        let sockets = hook_spec::socket_dir(&self.bundle);
+        let started = std::time::Instant::now();
+        let n = tokio::task::spawn_blocking(move || {
+            gpu_hook::copy_in_restored(&id, &sockets, &image, &record)
+        })
+        .await
+        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))??;
+        tracing::info!(id = %self.id, processes = n,
+            elapsed_ms = started.elapsed().as_millis() as u64, "hook memory restored");
         Ok(())
     }
 
@@ -379,6 +418,11 @@ impl Container {
         if let Some(q) = locked {
             q.unlock().await?;
             tracing::info!(id = %self.id, "GPU unlocked on resume");
+        }
+        let pending = self.hook_pending.lock().expect("hook_pending lock").take();
+        if let Some(h) = pending {
+            crate::checkpoint::give_back_blocking(h).await?;
+            tracing::info!(id = %self.id, "hook memory given back on resume");
         }
         Ok(())
     }

@@ -37,6 +37,8 @@ pub enum Error {
     },
     #[error("GPU: {0}")]
     Gpu(String),
+    #[error("GPU hook: {0}")]
+    Hook(#[from] crate::gpu_hook::HookError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -81,6 +83,7 @@ impl Error {
             | Error::Checkpoint { .. }
             | Error::Restore { .. }
             | Error::Gpu(_)
+            | Error::Hook(_)
             | Error::Io { .. } => Code::UNKNOWN,
         }
     }
