@@ -34,6 +34,13 @@ plugin_dir=/usr/lib/criu
 install -D -m 0644 "$top/target/release/libgpucr_criu_plugin.so" "$plugin_dir/gpucr_cuda_plugin.so"
 say "installed CRIU plugin $plugin_dir/gpucr_cuda_plugin.so (CUDA processes, no cuda-checkpoint binary)"
 
+# The hook library, preloaded by the shim into GPU containers (read-only bind mount). Built on
+# its own: in one cargo invocation with the shim, feature unification would give the shim
+# binary the hook's exported dlsym and cu* wrappers.
+(cd "$top" && cargo build --release --locked -p gpucr-hook)
+install -D -m 0644 "$top/target/release/libgpucr_hook.so" /usr/lib/gpucr/libgpucr_hook.so
+say "installed /usr/lib/gpucr/libgpucr_hook.so (GPU containers get it; io.gpucr.hook=off per container, GPUCR_HOOK_LIB for another path)"
+
 # Register the runtime class with containerd through a conf.d drop-in.
 ctr_version=$(containerd --version 2>/dev/null | awk '{print $3}' | sed 's/^v//')
 major=${ctr_version%%.*}
