@@ -358,7 +358,8 @@ impl Container {
             tracing::info!(id = %self.id, nodes = ?refreshed, "device nodes of this host");
         }
         if self.gpu.quiescer != gpu::Quiescer::Shim {
-            return Ok(());
+            // CRIU's CUDA plugin restored and unlocked the driver's part already.
+            return self.hook_restore(image).await;
         }
         let pids = self.runc.ps(&self.id).await?;
         let n = gpu::resume_restored(pids, gpu_pairs).await?;

@@ -250,7 +250,11 @@ pub async fn resume_restored(pids: Vec<i32>, pairs: Vec<GpuPair>) -> Result<usiz
         let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
             .map_err(|e| Error::Gpu(e.to_string()))?;
         let n = set.processes().len();
-        tracing::info!(processes = n, gpu_pairs = pairs.len(), "restoring device memory");
+        tracing::info!(
+            processes = n,
+            gpu_pairs = pairs.len(),
+            "restoring device memory"
+        );
         set.resume_all(&pairs)
             .map_err(|e| Error::Gpu(format!("restore of device memory: {e}")))?;
         Ok(n)
