@@ -147,7 +147,7 @@ def image_files(content_dir, index_digest, outdir, names):
                     break
     for n in sorted(left):
         print(f"image-files: {n} not in the checkpoint image", file=sys.stderr)
-    sys.exit(1 if left else 0)
+    sys.exit(1 if len(left) == len(set(names)) else 0)
 
 
 def shimlog(log, cid):

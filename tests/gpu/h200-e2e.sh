@@ -24,6 +24,9 @@
 #   GPUCR_E2E_DRY=1        no GPU: dependencies, containerd, images, and CPU-only checkpoint/
 #                          restore cycles (busybox loop) through both runtimes; for CPU machines
 #   GPUCR_E2E_SKIP_STOCK=1 skip a and stock-N (the stock runtime's small runs)
+#   GPUCR_E2E_HOOK=1       install carry/bin/libgpucr_hook.so and give containerd GPUCR_HOOK_LIB:
+#                          gpucr then injects the hook into every GPU container (the fast path)
+#   GPUCR_E2E_ONLY="c d"   run only these scenarios (names as in results.txt; default all)
 #   GPUCR_E2E_SKIP_BIG=1   skip the 16 GiB runs;  GPUCR_E2E_BIG_GIB (16), GPUCR_E2E_SMALL_GIB (2)
 #   GPUCR_E2E_BUDGET_S     seconds for the whole run (default 540); later parts are skipped
 #                          when too little is left. A watchdog ends the run at budget + 30 s.
@@ -217,6 +220,13 @@ EOF
   ln -sf "$b" "$BIN/busybox"
   install -m 0755 "$CARRY/bin/containerd-shim-gpucr-v2" "$BIN/containerd-shim-gpucr-v2"
   install -m 0644 "$CARRY/bin/libgpucr_criu_plugin.so" "$TOOLS/criu-plugin/libgpucr_criu_plugin.so"
+  HOOK_ENV=()
+  if [ "${GPUCR_E2E_HOOK:-0}" = 1 ]; then
+    [ -f "$CARRY/bin/libgpucr_hook.so" ] || die "GPUCR_E2E_HOOK=1 but carry/bin/libgpucr_hook.so is missing"
+    install -m 0755 "$CARRY/bin/libgpucr_hook.so" "$TOOLS/libgpucr_hook.so"
+    HOOK_ENV=(GPUCR_HOOK_LIB="$TOOLS/libgpucr_hook.so")
+    log "hook fast path on: GPUCR_HOOK_LIB=$TOOLS/libgpucr_hook.so"
+  fi
   rm -f "$TOOLS/criu-libs-dir"
   export PATH="$BIN:$PATH"
   {
@@ -259,7 +269,7 @@ EOF
   log "starting containerd (root $DATA)"
   # TMPDIR: containerd writes checkpoint dumps there before they enter the content store.
   mkdir -p "$DATA/cdi"
-  TMPDIR=$DATA/tmp GPUCR_CDI_SPEC_DIRS=$DATA/cdi containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
+  env "${HOOK_ENV[@]}" TMPDIR=$DATA/tmp GPUCR_CDI_SPEC_DIRS=$DATA/cdi containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
   CTD_PID=$!
   local i
   for i in $(seq 100); do
@@ -345,7 +355,8 @@ build_images() {
   local r=$DATA/rootfs/cuda
   busybox_rootfs "$r"
   cp "$TOOLS/workload" "$r/workload"
-  copy_libs "$r" "$TOOLS/workload" "$(readlink -f /usr/local/nvidia/lib64/libcuda.so.1)"
+  copy_libs "$r" "$TOOLS/workload" "$(readlink -f /usr/local/nvidia/lib64/libcuda.so.1)" \
+    $([ "${GPUCR_E2E_HOOK:-0}" = 1 ] && echo "$CARRY/bin/libgpucr_hook.so")
   mkdir -p "$r/usr/local/nvidia"
   (cd "$r" && find . -name '*.so*' | sort | tr '\n' ' ') >"$LOGS/cuda-rootfs-libs.txt"
   import_rootfs "$r" "$CUDA_IMAGE"
@@ -582,8 +593,10 @@ cr_cycle() {
     figs+="$($HELPER shimlog "$LOGS/$id-$name-ckpt-ctd.log" "$id") "
     local dg
     dg=$(image_digest "$ref")
-    if [ -n "$dg" ] && $HELPER image-files "$CONTENT" "$dg" "$LOGS/$id-$name-image" gpucr-gpu.json gpucr-checkpoint.json; then
+    if [ -n "$dg" ] && $HELPER image-files "$CONTENT" "$dg" "$LOGS/$id-$name-image" gpucr-gpu.json gpucr-checkpoint.json gpucr-hook.json; then
       figs+="$($HELPER gpujson "$LOGS/$id-$name-image/gpucr-gpu.json" 2>/dev/null) "
+      [ -f "$LOGS/$id-$name-image/gpucr-hook.json" ] \
+        && figs+="hook=$(python3 -c 'import json,sys; print(json.dumps(json.load(open(sys.argv[1])), separators=(",", ":")))' "$LOGS/$id-$name-image/gpucr-hook.json" | head -c 600) "
     fi
   fi
   figs+="image_mib=$(du -sm "$CONTENT" 2>/dev/null | cut -f1) "
@@ -725,6 +738,14 @@ scenario_b() {
   fi
 }
 
+# want NAME...: whether GPUCR_E2E_ONLY (when set) names one of them.
+want() {
+  [ -z "${GPUCR_E2E_ONLY:-}" ] && return 0
+  local n
+  for n in "$@"; do case " $GPUCR_E2E_ONLY " in *" $n "*) return 0 ;; esac; done
+  SKIP_WHY="not in GPUCR_E2E_ONLY"
+  return 1
+}
 skip_all() { local n; for n in "$@"; do result "$n" SKIP 0 "${SKIP_WHY:-not run}"; done; }
 enough() { [ "$(left)" -ge "$1" ] || { log "only $(left)s left of the budget: skipping $2"; SKIP_WHY="time budget"; return 1; }; }
 
@@ -783,6 +804,8 @@ ref_run cuda "$SMALL" 1500
 use_workload cuda "$SMALL"
 if [ "${GPUCR_E2E_SKIP_STOCK:-0}" = 1 ]; then
   SKIP_WHY="GPUCR_E2E_SKIP_STOCK=1" skip_all a "stock-$SMALL"
+elif ! want a "stock-$SMALL"; then
+  skip_all a "stock-$SMALL"
 elif start_workload stock "$RUNC_RT"; then
   scenario_a stock || true
   cr_cycle stock stock "stock-$SMALL" || true
@@ -792,13 +815,15 @@ fi
 kill_rm stock
 
 # b + c: gpucr, one container (b's restore, if it works, is the container c checkpoints).
-if start_workload gpucr "$GPUCR_RT"; then
-  scenario_b gpucr || true
+if ! want b b-restore c; then
+  skip_all b b-restore c
+elif start_workload gpucr "$GPUCR_RT"; then
+  want b b-restore && { scenario_b gpucr || true; }
   if [ "$(task_status gpucr)" != RUNNING ]; then
     kill_rm gpucr
     start_workload gpucr "$GPUCR_RT" || true
   fi
-  cr_cycle gpucr gpucr c || true
+  if want c; then cr_cycle gpucr gpucr c || true; else skip_all c; fi
 else
   result b FAIL 0 "the CUDA container did not start (see logs/gpucr.stdio)"
 fi
@@ -849,7 +874,9 @@ scenario_cdi() {
   grep -ho 'gpu_pairs=[0-9]*' "$LOGS"/cdi-cdi-restore-ctd.log 2>/dev/null | tail -1 | sed 's/^/cdi: driver restore got /' >&2 || true
 }
 
-if enough 60 cdi; then
+if ! want cdi; then
+  skip_all cdi
+elif enough 60 cdi; then
   scenario_cdi || true
   kill_rm cdi
 else
@@ -954,7 +981,9 @@ PY
   fi
 }
 
-if enough 60 e; then
+if ! want e; then
+  skip_all e
+elif enough 60 e; then
   echo "$TOOLS/criu-plugin" >"$TOOLS/criu-libs-dir"
   use_workload cuda "$SMALL"
   if start_workload plugin "$RUNC_RT"; then
@@ -971,6 +1000,8 @@ fi
 # d: PyTorch.
 if [ -z "${TORCH_ARGS[*]}" ]; then
   result d SKIP 0 "python3 with torch not found on the host"
+elif ! want d; then
+  skip_all d
 elif enough 90 d; then
   use_workload torch 1
   if ! ref_run torch 1 400; then
@@ -988,6 +1019,8 @@ fi
 # f: the big runs, gpucr and stock side by side.
 if [ "$SKIP_BIG" = 1 ]; then
   SKIP_WHY="GPUCR_E2E_SKIP_BIG=1" skip_all "gpucr-$BIG" "stock-$BIG"
+elif ! want "gpucr-$BIG" "stock-$BIG"; then
+  skip_all "gpucr-$BIG" "stock-$BIG"
 elif enough 150 "gpucr-$BIG"; then
   use_workload cuda "$BIG"
   if ! ref_run cuda "$BIG" 400; then

@@ -2,11 +2,14 @@
 // deterministically, one step at a time, so that a checkpointed/restored run can be compared
 // with an uninterrupted one line by line.
 //
-//   workload GIB STEPS SLEEP_MS OUT
+//   workload GIB STEPS SLEEP_MS OUT [STATIC_GIB]
 //     GIB       device memory in GiB (may be fractional, e.g. 0.5)
 //     STEPS     steps to run, 0 = forever
 //     SLEEP_MS  pause after each step
 //     OUT       file the lines are appended to (opened and closed per line), or - for stdout
+//     STATIC_GIB a second buffer filled once and never changed (model weights, for incremental
+//                checkpoints); its hash is printed as "static 0 hash H" at the start and after
+//                every "now" line (the step lines cover the changing buffer only)
 //
 // Lines: "step S hash H" after step S; "now S hash H" (hash of the buffer after step S,
 // without a step) whenever SIGUSR1 arrives. Step 0 is the initial fill. The buffer after step S
@@ -43,6 +46,12 @@ __global__ void fill_kernel(unsigned long long *x, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
        i += (size_t)gridDim.x * blockDim.x)
     x[i] = mix64(i);
+}
+
+__global__ void fill_static_kernel(unsigned long long *x, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    x[i] = mix64(i ^ 0x5151515151515151ULL);
 }
 
 __global__ void step_kernel(unsigned long long *x, size_t n, unsigned long long step) {
@@ -97,8 +106,8 @@ static void sleep_ms(long ms) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 5) {
-    fprintf(stderr, "usage: %s GIB STEPS SLEEP_MS OUT\n", argv[0]);
+  if (argc != 5 && argc != 6) {
+    fprintf(stderr, "usage: %s GIB STEPS SLEEP_MS OUT [STATIC_GIB]\n", argv[0]);
     return 1;
   }
   double gib = atof(argv[1]);
@@ -106,6 +115,7 @@ int main(int argc, char **argv) {
   long pause_ms = atol(argv[3]);
   const char *out = argv[4];
   size_t n = (size_t)(gib * 1073741824.0) / sizeof(unsigned long long);
+  size_t ns = argc == 6 ? (size_t)(atof(argv[5]) * 1073741824.0) / sizeof(unsigned long long) : 0;
   if (n == 0) {
     fprintf(stderr, "workload: GIB must be > 0\n");
     return 1;
@@ -122,11 +132,18 @@ int main(int argc, char **argv) {
   unsigned long long *x = NULL, *d_sum = NULL;
   CHECK(cudaMalloc((void **)&x, n * sizeof(*x)));
   CHECK(cudaMalloc((void **)&d_sum, sizeof(*d_sum)));
+  unsigned long long *w = NULL;
+  if (ns > 0) {
+    CHECK(cudaMalloc((void **)&w, ns * sizeof(*w)));
+    fill_static_kernel<<<blocks, 256>>>(w, ns);
+    CHECK(cudaGetLastError());
+  }
   fill_kernel<<<blocks, 256>>>(x, n);
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   fprintf(stderr, "workload: %zu bytes of device memory, %llu steps, %ld ms pause, out %s\n",
           n * sizeof(*x), steps, pause_ms, out);
+  if (w) emit(out, "static", 0, device_hash(w, ns, d_sum, blocks));
   emit(out, "step", 0, device_hash(x, n, d_sum, blocks));
 
   for (unsigned long long s = 1; steps == 0 || s <= steps; s++) {
@@ -136,11 +153,13 @@ int main(int argc, char **argv) {
     if (hash_now) {
       hash_now = 0;
       emit(out, "now", s, device_hash(x, n, d_sum, blocks));
+      if (w) emit(out, "static", 0, device_hash(w, ns, d_sum, blocks));
     }
     if (pause_ms > 0) sleep_ms(pause_ms);
     if (hash_now) {
       hash_now = 0;
       emit(out, "now", s, device_hash(x, n, d_sum, blocks));
+      if (w) emit(out, "static", 0, device_hash(w, ns, d_sum, blocks));
     }
   }
   CHECK(cudaFree(x));

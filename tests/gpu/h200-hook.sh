@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# gpucr hook fast path on the H200, in one call (issue 4). Needs carry/bin/libgpucr_hook.so
+# (tests/gpu/prepare-carry.sh) and, for the container part, what h200-e2e.sh needs.
+#
+#   bash tests/gpu/h200-hook.sh
+#
+# 1. ceilings: pinned/pageable cudaMemcpy (pinned_ceiling.cu) and the disk's O_DIRECT write
+#    and read speed (dd), measured in this run
+# 2. host-level, side by side in one process per size (hook_bench.py): the driver alone vs
+#    the hook's freeze -> copy-out -> release -> driver checkpoint of the rest -> restore ->
+#    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
+#    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB)
+# 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
+#    injects the hook and checkpoints/restores through it; hashes checked against references
+# Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
+# GPUCR_HOOK_BUDGET_S (default 540): the container part gets what is left.
+set -uo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$REPO/hook-out}
+CARRY=${GPUCR_E2E_CARRY:-$REPO/carry}
+TOOLS=/opt/gpucr-hook
+TMPFS=/dev/shm/gpucr-hook
+DISK=/var/tmp/gpucr-hook
+BUDGET=${GPUCR_HOOK_BUDGET_S:-540}
+T0=$(date +%s)
+elapsed() { echo $(($(date +%s) - T0)); }
+log() { echo "[$(elapsed)s] $*"; }
+mkdir -p "$OUT" "$TOOLS" "$TMPFS" "$DISK"
+RES=$OUT/hook-results.jsonl
+SUM=$OUT/hook-summary.txt
+: >"$RES"
+: >"$SUM"
+HOOK=$CARRY/bin/libgpucr_hook.so
+[ -f "$HOOK" ] || { log "FATAL: $HOOK missing"; exit 1; }
+install -m 0755 "$HOOK" "$TOOLS/libgpucr_hook.so"
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | tee -a "$SUM"
+command -v nvcc >/dev/null || PATH=$PATH:/usr/local/cuda/bin
+log "build: workload, pinned_ceiling, drive"
+nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/workload" "$REPO/tests/gpu/workload.cu" || exit 1
+nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/pinned_ceiling" "$REPO/tests/gpu/pinned_ceiling.cu" || exit 1
+gcc -O2 -Wall -o "$TOOLS/drive" "$REPO/tests/gpu/drive.c" -ldl || exit 1
+echo "hook: $(sha256sum "$TOOLS/libgpucr_hook.so" | cut -c1-12) $(nm -D --defined-only "$TOOLS/libgpucr_hook.so" | grep -c ' T cu') cu* exports" | tee -a "$SUM"
+
+log "ceilings"
+timeout 120 "$TOOLS/pinned_ceiling" 4 | tee -a "$SUM"
+sync
+dd_w=$(dd if=/dev/zero of="$DISK/dd.bin" bs=64M count=64 oflag=direct 2>&1 | tail -1)
+dd_r=$(dd if="$DISK/dd.bin" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1)
+rm -f "$DISK/dd.bin"
+echo "disk $DISK ($(df -h --output=source,fstype "$DISK" | tail -1 | tr -s ' ')): write 4 GiB O_DIRECT: $dd_w; read: $dd_r" | tee -a "$SUM"
+
+for size in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
+  g=${size%+*}
+  st=${size#*+}
+  [ "$(elapsed)" -lt $((BUDGET - 150)) ] || { log "budget: skipping size $size"; echo "size $size: SKIPPED (budget)" >>"$SUM"; continue; }
+  ref=$TMPFS/ref-$g.txt
+  if [ ! -s "$ref" ]; then
+    log "reference run ${g} GiB"
+    timeout 200 "$TOOLS/workload" "$g" 1500 0 "$ref" 2>&1 | tail -1
+  fi
+  log "hook_bench $size"
+  timeout 400 python3 "$REPO/tests/gpu/hook_bench.py" --workload "$TOOLS/workload" --drive "$TOOLS/drive" \
+    --hook "$TOOLS/libgpucr_hook.so" --gib "$g" --static-gib "$st" --ref "$ref" \
+    --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" --label "$size"
+  echo "size $size: hook_bench exit $?" | tee -a "$SUM"
+done
+grep -h '"phase"' "$RES" >>"$SUM" 2>/dev/null
+
+left=$((BUDGET - $(elapsed)))
+if [ -n "${GPUCR_HOOK_E2E-c d}" ] && [ "$left" -gt 120 ]; then
+  log "containers through gpucr with the hook: ${GPUCR_HOOK_E2E-c d} (${left}s left)"
+  GPUCR_E2E_HOOK=1 GPUCR_E2E_ONLY="${GPUCR_HOOK_E2E-c d}" GPUCR_E2E_BUDGET_S=$((left - 40)) \
+    GPUCR_E2E_SKIP_STOCK=1 GPUCR_E2E_SKIP_BIG=1 OUT=$OUT bash "$REPO/tests/gpu/h200-e2e.sh" >"$OUT/e2e.log" 2>&1
+  echo "h200-e2e.sh (hook) exit $?" | tee -a "$SUM"
+  cat "$OUT/results.txt" >>"$SUM" 2>/dev/null
+fi
+rm -rf "$TMPFS" "$DISK"
+log "done"
+cat "$SUM"

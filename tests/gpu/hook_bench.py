@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""gpucr hook fast path on the GPU machine, without containerd: the workload (workload.cu) runs on
+the host with libgpucr_hook.so preloaded; this script drives the hook's control socket and the
+driver's checkpoint API (drive.c) the way the shim does, times every step, and checks the
+workload's device memory against an uninterrupted reference run.
+
+  hook_bench.py --workload W --drive D --hook LIB --gib G [--static-gib S] --ref REF
+                --tmpfs DIR --disk DIR --out RESULTS.jsonl [--label L]
+
+One process, side by side:
+  driver  the driver alone moves all device memory (lock+checkpoint, restore+unlock), as today
+  fast    hook Freeze -> CopyOut (tmpfs) -> Release -> driver lock+checkpoint of the rest ->
+          driver restore+unlock -> Remap -> CopyIn -> Thaw (a leave-running checkpoint)
+  disk    the same copy-out into a directory on local disk (then Thaw, no release)
+  incr    a second copy-out with the first image as parent (unchanged static memory dedups)
+Every result is one JSON line in --out; a summary line per phase goes to stdout.
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+LINE_KINDS = ("step", "now", "static")
+
+
+def log(msg):
+    print(f"[hook_bench] {msg}", flush=True)
+
+
+class Hook:
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.s.settimeout(180)
+        self.s.connect(path)
+
+    def call(self, verb, **args):
+        req = dict(verb=verb, **args)
+        data = json.dumps(req).encode()
+        t0 = time.monotonic()
+        self.s.sendall(struct.pack(">I", len(data)) + data)
+        hdr = self._read(4)
+        (n,) = struct.unpack(">I", hdr)
+        reply = json.loads(self._read(n))
+        ms = (time.monotonic() - t0) * 1000
+        if "error" in reply:
+            raise RuntimeError(f"hook {verb}: {reply['error']}")
+        ok = reply.get("ok")
+        body = next(iter(ok.values())) if isinstance(ok, dict) else {}
+        return ms, body
+
+    def _read(self, n):
+        buf = b""
+        while len(buf) < n:
+            part = self.s.recv(n - len(buf))
+            if not part:
+                raise RuntimeError("hook closed the connection")
+            buf += part
+        return buf
+
+
+def drive(drive_bin, action, pid):
+    """drive.c: returns {action: ms}; raises on failure."""
+    out = subprocess.run([drive_bin, *action.split(), str(pid)], capture_output=True, text=True, timeout=300)
+    res = {}
+    for line in out.stdout.splitlines():
+        parts = dict(p.split("=", 1) for p in line.split()[2:] if "=" in p)
+        res[line.split()[1]] = float(parts.get("ms", "nan"))
+    if out.returncode != 0:
+        raise RuntimeError(f"drive {action} {pid}: {out.stdout.strip()} {out.stderr.strip()}")
+    return res
+
+
+class RssSampler(threading.Thread):
+    """Peak RSS growth of a process while a phase runs."""
+
+    def __init__(self, pid):
+        super().__init__(daemon=True)
+        self.pid, self.stop, self.base, self.peak = pid, False, rss(pid), 0
+
+    def run(self):
+        while not self.stop:
+            self.peak = max(self.peak, rss(self.pid) - self.base)
+            time.sleep(0.02)
+
+    def done(self):
+        self.stop = True
+        self.join()
+        return self.peak
+
+
+def rss(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def du(path):
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def lines(path):
+    out = []
+    try:
+        with open(path) as f:
+            for raw in f:
+                p = raw.split()
+                if len(p) == 4 and p[0] in LINE_KINDS and p[2] == "hash":
+                    out.append((p[0], int(p[1]), p[3]))
+    except OSError:
+        pass
+    return out
+
+
+def last_step(path):
+    steps = [s for k, s, _ in lines(path) if k == "step"]
+    return steps[-1] if steps else -1
+
+
+def wait_step(path, pid, want, secs):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < secs:
+        if last_step(path) >= want:
+            return True
+        if not os.path.exists(f"/proc/{pid}"):
+            return False
+        time.sleep(0.1)
+    return False
+
+
+def check(ref, path):
+    """Every step line matches the reference, every now line matches the reference's step,
+    every static line equals the first. Returns (ok, detail)."""
+    refh = {s: h for k, s, h in lines(ref) if k == "step"}
+    got = lines(path)
+    statics = {h for k, _, h in got if k == "static"}
+    bad = [(k, s, h) for k, s, h in got if k in ("step", "now") and refh.get(s) != h]
+    steps = [s for k, s, _ in got if k == "step"]
+    seq_ok = steps == list(range(len(steps)))
+    ok = not bad and seq_ok and len(statics) <= 1 and steps
+    return bool(ok), (f"steps={len(steps)} last={steps[-1] if steps else -1} "
+                      f"now={sum(1 for k, _, _ in got if k == 'now')} statics={len(statics)} "
+                      f"mismatches={bad[:3]} in_order={seq_ok}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--drive", required=True)
+    ap.add_argument("--hook", required=True)
+    ap.add_argument("--gib", required=True)
+    ap.add_argument("--static-gib", default="0")
+    ap.add_argument("--ref", required=True)
+    ap.add_argument("--tmpfs", required=True)
+    ap.add_argument("--disk", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--phases", default="driver,fast,disk,incr")
+    a = ap.parse_args()
+    label = a.label or f"{a.gib}+{a.static_gib}GiB"
+    phases = a.phases.split(",")
+    work = os.path.join(a.tmpfs, f"bench-{label}")
+    shutil.rmtree(work, ignore_errors=True)
+    sock_dir = os.path.join(work, "sock")
+    os.makedirs(sock_dir)
+    steps = os.path.join(work, "steps")
+    env = dict(os.environ, LD_PRELOAD=a.hook, GPUCR_HOOK_SOCKET_DIR=sock_dir, GPUCR_HOOK_LOG="1")
+    args = [a.workload, a.gib, "0", "300", steps]
+    if a.static_gib != "0":
+        args.append(a.static_gib)
+    errlog = open(os.path.join(work, "workload.stderr"), "w")
+    proc = subprocess.Popen(args, env=env, stdout=errlog, stderr=errlog)
+    results = {"label": label, "gib": float(a.gib), "static_gib": float(a.static_gib)}
+    out = open(a.out, "a")
+
+    def record(phase, **kv):
+        row = {"label": label, "phase": phase, **kv}
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        log(f"{label} {phase}: " + " ".join(f"{k}={v}" for k, v in kv.items()))
+
+    def now_line():
+        n = sum(1 for k, _, _ in lines(steps) if k == "now")
+        os.kill(proc.pid, signal.SIGUSR1)
+        for _ in range(100):
+            got = [x for x in lines(steps) if x[0] == "now"]
+            if len(got) > n:
+                return got[-1]
+            time.sleep(0.1)
+        raise RuntimeError("no 'now' line after SIGUSR1")
+
+    ok_all = True
+    try:
+        if not wait_step(steps, proc.pid, 3, 240):
+            raise RuntimeError(f"workload did not reach step 3: {open(errlog.name).read()[-800:]}")
+        sock = os.path.join(sock_dir, f"hook-{proc.pid}.sock")
+        if not os.path.exists(sock):
+            raise RuntimeError(f"no hook socket {sock}: {open(errlog.name).read()[-800:]}")
+        h = Hook(sock)
+        _, st = h.call("Status")
+        record("status", allocations=st.get("allocations"), bytes=st.get("bytes"),
+               unsupported=len(st.get("unsupported", [])), state=st.get("state"))
+        if st.get("unsupported"):
+            raise RuntimeError(f"hook reports unsupported memory: {st['unsupported'][:3]}")
+        dev_bytes = st.get("bytes", 0)
+
+        if "driver" in phases:
+            before = now_line()
+            s = RssSampler(proc.pid)
+            s.start()
+            t0 = time.monotonic()
+            q = drive(a.drive, "quiesce", proc.pid)
+            r = drive(a.drive, "resume", proc.pid)
+            total = (time.monotonic() - t0) * 1000
+            peak = s.done()
+            after = now_line()
+            record("driver", lock_ms=q.get("lock"), d2h_ms=q.get("checkpoint"),
+                   h2d_ms=r.get("restore"), unlock_ms=r.get("unlock"), pause_ms=round(total, 1),
+                   d2h_gbps=round(dev_bytes / q.get("checkpoint", 1) / 1e6, 2),
+                   peak_rss_growth_mib=peak >> 20, now_before=before[2], now_after=after[2])
+
+        img1 = os.path.join(a.tmpfs, f"img-{label}")
+        shutil.rmtree(img1, ignore_errors=True)
+        if "fast" in phases:
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            s = RssSampler(proc.pid)
+            s.start()
+            t0 = time.monotonic()
+            fz, _ = h.call("Freeze")
+            co, rep = h.call("CopyOut", image_dir=img1, parent=None)
+            rl, rel = h.call("Release")
+            q = drive(a.drive, "quiesce", proc.pid)
+            left_ms = (time.monotonic() - t0) * 1000
+            r = drive(a.drive, "resume", proc.pid)
+            rm, _ = h.call("Remap")
+            ci, cin = h.call("CopyIn", image_dir=img1)
+            th, _ = h.call("Thaw")
+            total = (time.monotonic() - t0) * 1000
+            peak = s.done()
+            record("fast", freeze_ms=round(fz, 1), copy_out_ms=round(co, 1),
+                   copy_out_gbps=round(rep.get("bytes", 0) / co / 1e6, 2),
+                   peak_staging_mib=rep.get("peak_staging_bytes", 0) >> 20,
+                   release_ms=round(rl, 1), released_mib=rel.get("bytes", 0) >> 20,
+                   driver_lock_ms=q.get("lock"), driver_d2h_ms=q.get("checkpoint"),
+                   gpu_empty_after_ms=round(left_ms, 1),
+                   driver_h2d_ms=r.get("restore"), driver_unlock_ms=r.get("unlock"),
+                   remap_ms=round(rm, 1), copy_in_ms=round(ci, 1),
+                   copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2), thaw_ms=round(th, 1),
+                   pause_ms=round(total, 1), image_mib=du(img1) >> 20,
+                   peak_rss_growth_mib=peak >> 20)
+
+        if "disk" in phases:
+            img_disk = os.path.join(a.disk, f"img-{label}")
+            shutil.rmtree(img_disk, ignore_errors=True)
+            subprocess.run(["sync"])
+            fz, _ = h.call("Freeze")
+            t0 = time.monotonic()
+            co, rep = h.call("CopyOut", image_dir=img_disk, parent=None)
+            subprocess.run(["sync", "-f", a.disk])
+            synced = (time.monotonic() - t0) * 1000
+            th, _ = h.call("Thaw")
+            record("disk", copy_out_ms=round(co, 1), with_sync_ms=round(synced, 1),
+                   disk_gbps=round(rep.get("bytes", 0) / synced / 1e6, 2), image_mib=du(img_disk) >> 20)
+            shutil.rmtree(img_disk, ignore_errors=True)
+
+        if "incr" in phases and os.path.isdir(img1):
+            img2 = os.path.join(a.tmpfs, f"img2-{label}")
+            shutil.rmtree(img2, ignore_errors=True)
+            fz, _ = h.call("Freeze")
+            co, rep = h.call("CopyOut", image_dir=img2, parent=img1)
+            th, _ = h.call("Thaw")
+            record("incr", copy_out_ms=round(co, 1), image_mib=du(img2) >> 20,
+                   full_image_mib=du(img1) >> 20)
+            if a.disk:
+                img3 = os.path.join(a.disk, f"img3-{label}")
+                shutil.rmtree(img3, ignore_errors=True)
+                fz, _ = h.call("Freeze")
+                t0 = time.monotonic()
+                co, rep = h.call("CopyOut", image_dir=img3, parent=img1)
+                subprocess.run(["sync", "-f", a.disk])
+                synced = (time.monotonic() - t0) * 1000
+                h.call("Thaw")
+                record("incr-disk", copy_out_ms=round(co, 1), with_sync_ms=round(synced, 1),
+                       image_mib=du(img3) >> 20)
+                shutil.rmtree(img3, ignore_errors=True)
+            shutil.rmtree(img2, ignore_errors=True)
+
+        want = last_step(steps) + 3
+        if not wait_step(steps, proc.pid, want, 60):
+            ok_all = False
+        now_line()
+        ok, detail = check(a.ref, steps)
+        ok_all = ok_all and ok
+        record("verify", ok=ok, detail=detail)
+    except Exception as e:  # noqa: BLE001 - report and go on to the next size
+        ok_all = False
+        record("error", error=str(e)[:1500], stderr=open(errlog.name).read()[-1500:])
+    finally:
+        shutil.copy(steps, a.out + f".{label}.steps") if os.path.exists(steps) else None
+        proc.kill()
+        proc.wait()
+        try:
+            shutil.copy(errlog.name, a.out + f".{label}.stderr")
+        except OSError:
+            pass
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(os.path.join(a.tmpfs, f"img-{label}"), ignore_errors=True)
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
