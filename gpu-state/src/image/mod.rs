@@ -37,6 +37,7 @@ mod manifest;
 mod pipeline;
 mod reader;
 mod sink;
+mod staging;
 mod summary;
 mod writer;
 
@@ -50,8 +51,9 @@ pub use manifest::{
 };
 pub use reader::{AllocationReader, ImageReader};
 pub use sink::AllocationSink;
+pub use staging::{StagingBuf, StagingPin, StagingPool};
 pub use summary::Summary;
-pub use writer::{ImageWriter, WriterStats};
+pub use writer::{ImageWriter, StagedChunk, WriterStats};
 
 /// Default chunk size: 4 MiB.
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;
@@ -70,9 +72,9 @@ pub struct ImageOptions {
     pub compression: Compression,
     /// Worker threads (each also owns one data file).
     pub threads: usize,
-    /// Staging buffers of `chunk_size` bytes: the writer's memory bound is about
-    /// `(max_in_flight + threads) × chunk_size` (the extra per worker is its
-    /// compression output buffer).
+    /// Staging buffers of `chunk_size` bytes, allocated once per image: the writer's
+    /// memory bound is `max_in_flight × chunk_size`, plus `threads × chunk_size` of
+    /// compression output buffers when compressing.
     pub max_in_flight: usize,
 }
 

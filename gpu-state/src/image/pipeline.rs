@@ -1,26 +1,28 @@
 //! The writer's worker pool: staging buffers go to worker threads, which elide zero
 //! chunks, checksum, deduplicate, compress and append to their own data file.
 //!
-//! Memory bound: at most `max_in_flight` staging buffers of `chunk_size` bytes exist,
-//! plus one compression buffer per worker. The caller blocks in [`Pipeline::acquire`]
-//! while all staging buffers are in use.
+//! Memory bound: one [`StagingPool`] of `max_in_flight` buffers of `chunk_size` bytes,
+//! allocated (and pinned) once per image, plus one compression buffer per worker when
+//! compressing. The caller blocks in [`Pipeline::acquire`] while all staging buffers are
+//! in use; a worker's buffer goes back to the pool when the worker drops it.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::manifest::{Codec, Compression, ContentHash, DataFile, ImageId, Location};
+use super::staging::{StagingBuf, StagingPool};
 
 /// A filled staging buffer for one chunk.
 pub(crate) struct Job {
     pub alloc: usize,
     pub index: usize,
-    pub buf: Vec<u8>,
+    pub buf: StagingBuf,
     pub len: usize,
 }
 
@@ -47,27 +49,21 @@ struct Shared {
     stored: Mutex<HashMap<ContentHash, Option<Location>>>,
     error: Mutex<Option<String>>,
     abort: AtomicBool,
-    out: AtomicUsize,
 }
 
 pub(crate) struct Pipeline {
     shared: Arc<Shared>,
     jobs: Option<SyncSender<Job>>,
     done: Receiver<Done>,
-    free: Receiver<Vec<u8>>,
     workers: Vec<JoinHandle<Result<DataFile, String>>>,
-    chunk_size: usize,
-    max_in_flight: usize,
-    allocated: usize,
-    peak: usize,
+    pool: Arc<StagingPool>,
 }
 
 impl Pipeline {
     pub fn start(
         dir: &Path,
         threads: usize,
-        max_in_flight: usize,
-        chunk_size: usize,
+        pool: Arc<StagingPool>,
         compression: Compression,
         parent: HashMap<ContentHash, ImageId>,
     ) -> std::io::Result<Pipeline> {
@@ -77,12 +73,10 @@ impl Pipeline {
             stored: Mutex::new(HashMap::new()),
             error: Mutex::new(None),
             abort: AtomicBool::new(false),
-            out: AtomicUsize::new(0),
         });
-        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(max_in_flight);
+        let (job_tx, job_rx) = mpsc::sync_channel::<Job>(pool.count());
         let job_rx = Arc::new(Mutex::new(job_rx));
         let (done_tx, done_rx) = mpsc::channel();
-        let (free_tx, free_rx) = mpsc::channel();
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads {
             let name = format!("data-{i:03}.bin");
@@ -97,49 +91,26 @@ impl Pipeline {
                 scratch: Vec::new(),
                 compressor: None,
             };
-            let (jobs, done, free) = (job_rx.clone(), done_tx.clone(), free_tx.clone());
+            let (jobs, done) = (job_rx.clone(), done_tx.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("gpucr-image-{i}"))
-                .spawn(move || worker.run(&jobs, &done, &free))?;
+                .spawn(move || worker.run(&jobs, &done))?;
             workers.push(handle);
         }
         Ok(Pipeline {
             shared,
             jobs: Some(job_tx),
             done: done_rx,
-            free: free_rx,
             workers,
-            chunk_size,
-            max_in_flight,
-            allocated: 0,
-            peak: 0,
+            pool,
         })
     }
 
-    /// A staging buffer of `chunk_size` bytes; blocks while all are in flight.
-    pub fn acquire(&mut self) -> Result<Vec<u8>, String> {
+    /// A staging buffer of `chunk_size` bytes; blocks while all are in flight (workers
+    /// always give theirs back, also after a failure).
+    pub fn acquire(&mut self) -> Result<StagingBuf, String> {
         self.check()?;
-        let buf = match self.free.try_recv() {
-            Ok(buf) => buf,
-            Err(_) if self.allocated < self.max_in_flight => {
-                self.allocated += 1;
-                vec![0u8; self.chunk_size]
-            }
-            Err(_) => self
-                .free
-                .recv()
-                .map_err(|_| "all compression workers stopped".to_string())?,
-        };
-        let out = self.shared.out.fetch_add(1, Ordering::SeqCst) + 1;
-        self.peak = self.peak.max(out);
-        Ok(buf)
-    }
-
-    /// Gives back a staging buffer that was not submitted (it is freed).
-    pub fn release(&mut self, buf: Vec<u8>) {
-        self.shared.out.fetch_sub(1, Ordering::SeqCst);
-        drop(buf);
-        self.allocated -= 1;
+        Ok(self.pool.acquire())
     }
 
     pub fn submit(&mut self, job: Job) -> Result<(), String> {
@@ -154,12 +125,8 @@ impl Pipeline {
         self.done.try_iter().collect()
     }
 
-    pub fn peak_in_flight(&self) -> usize {
-        self.peak
-    }
-
-    pub fn buffers_allocated(&self) -> usize {
-        self.allocated
+    pub fn pool(&self) -> &Arc<StagingPool> {
+        &self.pool
     }
 
     fn check(&self) -> Result<(), String> {
@@ -219,12 +186,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(
-        mut self,
-        jobs: &Mutex<Receiver<Job>>,
-        done: &Sender<Done>,
-        free: &Sender<Vec<u8>>,
-    ) -> Result<DataFile, String> {
+    fn run(mut self, jobs: &Mutex<Receiver<Job>>, done: &Sender<Done>) -> Result<DataFile, String> {
         loop {
             let job = match jobs.lock() {
                 Ok(rx) => rx.recv(),
@@ -242,8 +204,8 @@ impl Worker {
                     Err(_) => self.fail("a compression worker panicked".into()),
                 }
             }
-            self.shared.out.fetch_sub(1, Ordering::SeqCst);
-            let _ = free.send(job.buf);
+            // Dropping the job gives its staging buffer back to the pool.
+            drop(job);
         }
         if self.shared.abort.load(Ordering::SeqCst) {
             return Ok(DataFile {

@@ -5,11 +5,13 @@ use std::collections::HashMap;
 use std::io::{self, Read};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 
 use super::error::{ChunkPlace, ImageError};
 use super::layer::{chain_hashes, open_chain, Layer};
 use super::manifest::{Allocation, Codec, ContentHash, ImageId, Location, Manifest};
+use super::staging::{StagingBuf, StagingPool};
 use super::summary::Summary;
 use super::AllocId;
 
@@ -134,6 +136,88 @@ impl ImageReader {
                 return Ok(());
             };
             self.load_chunk(id.0, index, out, scratch)?;
+        })
+    }
+
+    /// Reads `chunks` (allocation, chunk index) on `threads` threads, each into a buffer
+    /// of `pool` (read, decompressed and CRC-checked there), and hands every filled
+    /// buffer to `sink` on the calling thread, in no particular order, with the index in
+    /// `chunks` and the chunk's length. `sink` may keep buffers (e.g. while a DMA reads
+    /// them) but must keep fewer than the pool has, or the readers starve. Stops at the
+    /// first error, of a reader or of `sink`; buffers still in flight are dropped.
+    pub fn read_chunks_staged<E, F>(
+        &self,
+        chunks: &[(AllocId, usize)],
+        pool: &Arc<StagingPool>,
+        threads: usize,
+        mut sink: F,
+    ) -> Result<(), E>
+    where
+        E: From<ImageError>,
+        F: FnMut(usize, StagingBuf, usize) -> Result<(), E>,
+    {
+        for &(id, index) in chunks {
+            let alloc = self.alloc(id)?;
+            let chunk = alloc.chunks.get(index).ok_or_else(|| {
+                ImageError::Usage(format!("allocation {:#x} has no chunk {index}", alloc.va))
+            })?;
+            if chunk.len as usize > pool.buf_size() {
+                return Err(ImageError::Usage(format!(
+                    "staging buffers of {} bytes for {}-byte chunks",
+                    pool.buf_size(),
+                    chunk.len
+                ))
+                .into());
+            }
+        }
+        let next = AtomicUsize::new(0);
+        let stop = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let (tx, rx) = mpsc::channel::<Result<(usize, StagingBuf, usize), ImageError>>();
+            for _ in 0..threads.clamp(1, chunks.len().max(1)) {
+                let tx = tx.clone();
+                let (next, stop) = (&next, &stop);
+                scope.spawn(move || {
+                    let mut scratch = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= chunks.len() || stop.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        let mut buf = pool.acquire();
+                        if stop.load(Ordering::Relaxed) {
+                            return;
+                        }
+                        let (id, index) = chunks[i];
+                        let len = self.allocations()[id.0].chunks[index].len as usize;
+                        let msg = self
+                            .load_chunk(id.0, index, &mut buf[..len], &mut scratch)
+                            .map(|()| (i, buf, len));
+                        let failed = msg.is_err();
+                        if tx.send(msg).is_err() || failed {
+                            return;
+                        }
+                    }
+                });
+            }
+            drop(tx);
+            let mut result = Ok(());
+            // Drains until every reader is gone; after an error, buffers are only
+            // dropped (back to the pool, so a reader waiting for one can see `stop`).
+            for msg in rx {
+                if result.is_err() {
+                    continue;
+                }
+                let outcome = match msg {
+                    Ok((i, buf, len)) => sink(i, buf, len),
+                    Err(e) => Err(e.into()),
+                };
+                if let Err(e) = outcome {
+                    stop.store(true, Ordering::Relaxed);
+                    result = Err(e);
+                }
+            }
+            result
         })
     }
 

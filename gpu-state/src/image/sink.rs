@@ -4,11 +4,12 @@
 use std::io::{self, Write};
 
 use super::error::ImageError;
+use super::staging::StagingBuf;
 use super::writer::ImageWriter;
 use super::AllocId;
 
 /// Writes one allocation in order, from offset 0. Call [`AllocationSink::close`] to check
-/// that the whole allocation was written; a dropped sink discards a partial chunk, and
+/// that the whole allocation was written; a dropped sink discards a partial chunk (its buffer goes back to the pool), and
 /// the writer's `finish` then reports the missing chunk.
 pub struct AllocationSink<'w> {
     writer: &'w mut ImageWriter,
@@ -16,7 +17,7 @@ pub struct AllocationSink<'w> {
     size: u64,
     /// Offset of the chunk being filled.
     chunk_offset: u64,
-    staging: Option<Vec<u8>>,
+    staging: Option<StagingBuf>,
     filled: usize,
 }
 
@@ -92,13 +93,5 @@ impl Write for AllocationSink<'_> {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
-    }
-}
-
-impl Drop for AllocationSink<'_> {
-    fn drop(&mut self) {
-        if let Some(buf) = self.staging.take() {
-            self.writer.pipeline_mut().release(buf);
-        }
     }
 }

@@ -1,8 +1,14 @@
 //! [`ImageWriter`]: streams allocations into a new image, atomically published by
 //! [`ImageWriter::finish`]. Dropping a writer without `finish` leaves nothing behind.
+//!
+//! Chunks go through the writer's [`StagingPool`] (allocated, and pinned when asked,
+//! once per image): [`ImageWriter::stage`] hands out the buffer of one chunk, which the
+//! caller fills however it likes (a DMA engine writing into it while other chunks are
+//! compressed), and [`ImageWriter::commit`] gives it to the workers.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::atomic::{create_temp_dir, fsync_path, publish, random_id, remove_stale_temps};
 use super::error::ImageError;
@@ -12,6 +18,7 @@ use super::manifest::{
 };
 use super::pipeline::{Done, Job, Pipeline, Placed};
 use super::reader::ImageReader;
+use super::staging::{StagingBuf, StagingPin, StagingPool};
 use super::{AllocId, ImageOptions};
 
 /// How many staging buffers the writer used: the observable memory bound.
@@ -21,8 +28,53 @@ pub struct WriterStats {
     pub max_in_flight: usize,
     /// Most staging buffers handed out at one time.
     pub peak_in_flight: usize,
-    /// Staging buffers alive now (each `chunk_size` bytes).
+    /// Staging buffers alive now (each `chunk_size` bytes; all allocated at create).
     pub buffers_allocated: usize,
+    /// Whether the staging buffers are pinned for DMA.
+    pub staging_pinned: bool,
+}
+
+/// One chunk's staging buffer between [`ImageWriter::stage`] and
+/// [`ImageWriter::commit`]. Dropping it uncommitted gives the buffer back; the chunk
+/// then stays unwritten.
+#[derive(Debug)]
+pub struct StagedChunk {
+    alloc: AllocId,
+    index: usize,
+    offset: u64,
+    len: usize,
+    buf: StagingBuf,
+}
+
+impl StagedChunk {
+    /// Where the chunk's bytes go (e.g. a device-to-host DMA's destination): valid for
+    /// [`len`](Self::len) bytes while this value lives.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.buf.as_mut_ptr()
+    }
+
+    /// The chunk's bytes.
+    pub fn data_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[..self.len]
+    }
+
+    /// The chunk's length (shorter than the chunk size only at an allocation's end).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The chunk's offset in its allocation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    pub fn alloc(&self) -> AllocId {
+        self.alloc
+    }
 }
 
 struct AllocState {
@@ -54,6 +106,18 @@ impl ImageWriter {
         parent: Option<&Path>,
         opts: ImageOptions,
     ) -> Result<ImageWriter, ImageError> {
+        Self::create_with_pin(dir, parent, opts, None)
+    }
+
+    /// Like [`create`](Self::create), with the staging pool (`max_in_flight` ×
+    /// `chunk_size` bytes) pinned by `pin` once, and unpinned when the writer and every
+    /// staged chunk are gone.
+    pub fn create_with_pin(
+        dir: &Path,
+        parent: Option<&Path>,
+        opts: ImageOptions,
+        pin: Option<Arc<dyn StagingPin>>,
+    ) -> Result<ImageWriter, ImageError> {
         opts.check()?;
         if dir.exists() {
             return Err(ImageError::AlreadyExists {
@@ -73,16 +137,10 @@ impl ImageWriter {
             }
             None => (None, HashMap::new()),
         };
+        let pool = StagingPool::new(opts.max_in_flight, opts.chunk_size, pin)?;
         let temp = create_temp_dir(dir)?;
-        let pipeline = Pipeline::start(
-            &temp,
-            opts.threads,
-            opts.max_in_flight,
-            opts.chunk_size,
-            opts.compression,
-            parent_hashes,
-        )
-        .map_err(|e| ImageError::io(&temp, e));
+        let pipeline = Pipeline::start(&temp, opts.threads, pool, opts.compression, parent_hashes)
+            .map_err(|e| ImageError::io(&temp, e));
         let pipeline = match pipeline {
             Ok(p) => p,
             Err(e) => {
@@ -169,13 +227,33 @@ impl ImageWriter {
     where
         F: FnOnce(&mut [u8]) -> std::io::Result<()>,
     {
-        let (index, len) = self.slot(alloc, offset)?;
-        let mut buf = self.acquire()?;
-        if let Err(e) = fill(&mut buf[..len]) {
-            self.pipeline_mut().release(buf);
+        let mut staged = self.stage(alloc, offset)?;
+        if let Err(e) = fill(staged.data_mut()) {
             return Err(ImageError::io(&self.target, e));
         }
-        self.submit(alloc, index, buf, len)
+        self.commit(staged)
+    }
+
+    /// The staging buffer for the chunk at `offset` (a multiple of the chunk size) of
+    /// `alloc`; blocks while all staging buffers are in use. Fill it, then
+    /// [`commit`](Self::commit) it.
+    pub fn stage(&mut self, alloc: AllocId, offset: u64) -> Result<StagedChunk, ImageError> {
+        let (index, len) = self.slot(alloc, offset)?;
+        let buf = self.acquire()?;
+        Ok(StagedChunk {
+            alloc,
+            index,
+            offset,
+            len,
+            buf,
+        })
+    }
+
+    /// Hands a filled chunk to the workers.
+    pub fn commit(&mut self, staged: StagedChunk) -> Result<(), ImageError> {
+        // Refuses a chunk written meanwhile (two stages of one chunk).
+        self.slot(staged.alloc, staged.offset)?;
+        self.submit(staged.alloc, staged.index, staged.buf, staged.len)
     }
 
     /// Hands a filled staging buffer to the workers.
@@ -183,7 +261,7 @@ impl ImageWriter {
         &mut self,
         alloc: AllocId,
         index: usize,
-        buf: Vec<u8>,
+        buf: StagingBuf,
         len: usize,
     ) -> Result<(), ImageError> {
         self.allocations[alloc.0].submitted[index] = true;
@@ -215,11 +293,12 @@ impl ImageWriter {
 
     /// Staging buffer use so far.
     pub fn stats(&self) -> WriterStats {
-        let pipeline = self.pipeline.as_ref();
+        let pool = self.pipeline.as_ref().map(Pipeline::pool);
         WriterStats {
             max_in_flight: self.opts.max_in_flight,
-            peak_in_flight: pipeline.map_or(0, Pipeline::peak_in_flight),
-            buffers_allocated: pipeline.map_or(0, Pipeline::buffers_allocated),
+            peak_in_flight: pool.map_or(0, |p| p.peak_in_use()),
+            buffers_allocated: pool.map_or(0, |p| p.count()),
+            staging_pinned: pool.is_some_and(|p| p.is_pinned()),
         }
     }
 
@@ -375,7 +454,7 @@ impl ImageWriter {
         Ok((index, chunk_size.min(state.size - offset) as usize))
     }
 
-    pub(crate) fn acquire(&mut self) -> Result<Vec<u8>, ImageError> {
+    pub(crate) fn acquire(&mut self) -> Result<StagingBuf, ImageError> {
         self.pipeline_mut().acquire().map_err(ImageError::Worker)
     }
 
