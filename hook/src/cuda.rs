@@ -2,11 +2,12 @@
 //! `cuda`). Own `#[repr(C)]` types for the few cuda.h structs it passes; one device
 //! (the context's current one) per driver.
 //!
-//! Copies go through two pinned host buffers on two streams (one piece copies by DMA
-//! while the CPU moves the other between its pinned buffer and the caller's slice);
-//! the buffers and streams live only between the first copy and
-//! [`VmmDriver::end_copies`], so a checkpoint never sees them. When the pinned calls are
-//! missing or fail, copies fall back to synchronous `cuMemcpyDtoH_v2`/`HtoD_v2`.
+//! The fast path's copies are async (`cuMemcpyDtoHAsync_v2`/`HtoDAsync_v2`) on copy
+//! streams made at first use and destroyed by [`VmmDriver::end_copies`], so a
+//! checkpoint never sees them; their host memory is the image's staging pools, pinned
+//! with `cuMemHostRegister_v2` by the caller. Without the stream functions, async
+//! copies run synchronously at issue; without `cuMemHostRegister_v2`,
+//! `register_host` reports `CUDA_ERROR_NOT_SUPPORTED` and copies use pageable memory.
 //!
 //! The control thread has no current context: every call first makes the context the
 //! driver was created in current on a thread that has none.
@@ -81,8 +82,8 @@ type FnAddressFree = unsafe extern "C" fn(DevicePtr, usize) -> CuResult;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult;
 type FnSync = unsafe extern "C" fn() -> CuResult;
-type FnHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult;
-type FnFreeHost = unsafe extern "C" fn(*mut c_void) -> CuResult;
+type FnHostRegister = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult;
+type FnHostUnregister = unsafe extern "C" fn(*mut c_void) -> CuResult;
 type FnStreamCreate = unsafe extern "C" fn(*mut Stream, c_uint) -> CuResult;
 type FnStreamSync = unsafe extern "C" fn(Stream) -> CuResult;
 type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, Stream) -> CuResult;
@@ -91,13 +92,12 @@ type FnHtoDAsync = unsafe extern "C" fn(DevicePtr, *const c_void, usize, Stream)
 /// `CUstream`.
 type Stream = *mut c_void;
 
-/// Bytes of each of the two pinned staging buffers.
-pub const PINNED_BUFFER: usize = 32 << 20;
-/// Smallest piece a copy is split into (smaller pieces cost more in launches than the
-/// overlap gains).
-const MIN_PIECE: usize = 1 << 20;
 /// `CU_STREAM_NON_BLOCKING`: the copy streams do not wait for the legacy stream.
 const STREAM_NON_BLOCKING: c_uint = 1;
+/// Most copy streams one driver makes.
+pub const MAX_STREAMS: usize = 64;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
 
 /// Loading errors.
 #[derive(Debug, Error)]
@@ -112,11 +112,9 @@ pub enum LoadError {
     NoContext(c_int),
 }
 
-/// The functions of the pinned two-stream copies (all present, or none used).
+/// The functions of async copies on streams (all present, or none used).
 #[derive(Clone, Copy)]
-struct PinnedFns {
-    host_alloc: FnHostAlloc,
-    free_host: FnFreeHost,
+struct StreamFns {
     stream_create: FnStreamCreate,
     stream_sync: FnStreamSync,
     stream_destroy: FnStreamSync,
@@ -124,10 +122,11 @@ struct PinnedFns {
     htod_async: FnHtoDAsync,
 }
 
-/// Two pinned buffers and two streams, alive between the first copy and `end_copies`.
-struct Staging {
-    buffers: [*mut u8; 2],
-    streams: [Stream; 2],
+/// Host memory registration (both present, or none used).
+#[derive(Clone, Copy)]
+struct RegisterFns {
+    register: FnHostRegister,
+    unregister: FnHostUnregister,
 }
 
 /// The VMM API of one libcuda. See the module docs.
@@ -148,14 +147,16 @@ pub struct CudaDriver {
     dtoh: FnDtoH,
     htod: FnHtoD,
     sync: FnSync,
-    pinned: Option<PinnedFns>,
-    staging: Mutex<Option<Staging>>,
+    async_fns: Option<StreamFns>,
+    register_fns: Option<RegisterFns>,
+    /// Copy streams, made at first use, destroyed by `end_copies`.
+    streams: Mutex<Vec<Stream>>,
     _lib: Option<Library>,
 }
 
 // SAFETY: the driver API is thread-safe; the struct holds function pointers into the
-// loaded library (kept alive by it or by the process), the context handle, and pinned
-// buffers used only under the `staging` mutex.
+// loaded library (kept alive by it or by the process), the context handle, and stream
+// handles kept under the `streams` mutex.
 unsafe impl Send for CudaDriver {}
 unsafe impl Sync for CudaDriver {}
 
@@ -222,15 +223,19 @@ impl CudaDriver {
         if rc != 0 {
             return Err(LoadError::NoContext(rc));
         }
-        let pinned = (|| {
-            Some(PinnedFns {
-                host_alloc: want(resolve, "cuMemHostAlloc")?,
-                free_host: want(resolve, "cuMemFreeHost")?,
+        let async_fns = (|| {
+            Some(StreamFns {
                 stream_create: want(resolve, "cuStreamCreate")?,
                 stream_sync: want(resolve, "cuStreamSynchronize")?,
                 stream_destroy: want(resolve, "cuStreamDestroy_v2")?,
                 dtoh_async: want(resolve, "cuMemcpyDtoHAsync_v2")?,
                 htod_async: want(resolve, "cuMemcpyHtoDAsync_v2")?,
+            })
+        })();
+        let register_fns = (|| {
+            Some(RegisterFns {
+                register: want(resolve, "cuMemHostRegister_v2")?,
+                unregister: want(resolve, "cuMemHostUnregister")?,
             })
         })();
         Ok(CudaDriver {
@@ -249,8 +254,9 @@ impl CudaDriver {
             dtoh: need(resolve, "cuMemcpyDtoH_v2")?,
             htod: need(resolve, "cuMemcpyHtoD_v2")?,
             sync: need(resolve, "cuCtxSynchronize")?,
-            pinned,
-            staging: Mutex::new(None),
+            async_fns,
+            register_fns,
+            streams: Mutex::new(Vec::new()),
             _lib: None,
         })
     }
@@ -295,54 +301,25 @@ impl CudaDriver {
         }
     }
 
-    /// The staging buffers and streams, made on first use; `None` (synchronous
-    /// copies) when the pinned functions are missing or fail.
-    fn staging<'a>(&self, slot: &'a mut Option<Staging>) -> Option<(&'a Staging, PinnedFns)> {
-        let f = self.pinned?;
-        if slot.is_none() {
-            let mut st = Staging {
-                buffers: [std::ptr::null_mut(); 2],
-                streams: [std::ptr::null_mut(); 2],
-            };
-            let mut ok = true;
-            for i in 0..2 {
-                let mut p = std::ptr::null_mut();
-                // SAFETY: out-pointers to locals.
-                unsafe {
-                    ok &= (f.host_alloc)(&mut p, PINNED_BUFFER, 0) == 0;
-                    st.buffers[i] = p.cast();
-                    ok &= (f.stream_create)(&mut st.streams[i], STREAM_NON_BLOCKING) == 0;
-                }
-            }
-            if !ok {
-                tracing::warn!("pinned staging unavailable; copying synchronously");
-                free_staging(&f, &st);
-                return None;
-            }
-            *slot = Some(st);
+    /// Copy stream `index`, made (with those before it) at first use.
+    fn stream(&self, f: &StreamFns, call: DriverCall, index: usize) -> Result<Stream, DriverError> {
+        if index >= MAX_STREAMS {
+            return Err(DriverError {
+                call,
+                code: crate::driver::CUDA_ERROR_INVALID_VALUE,
+            });
         }
-        slot.as_ref().map(|st| (st, f))
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        while streams.len() <= index {
+            let mut s = std::ptr::null_mut();
+            // SAFETY: out-pointer to a local.
+            check(call, unsafe {
+                (f.stream_create)(&mut s, STREAM_NON_BLOCKING)
+            })?;
+            streams.push(s);
+        }
+        Ok(streams[index])
     }
-}
-
-/// Frees whatever of `st` was made.
-fn free_staging(f: &PinnedFns, st: &Staging) {
-    // SAFETY: handles made by the driver (null ones skipped); nothing uses them after.
-    unsafe {
-        for s in st.streams.iter().filter(|s| !s.is_null()) {
-            (f.stream_sync)(*s);
-            (f.stream_destroy)(*s);
-        }
-        for b in st.buffers.iter().filter(|b| !b.is_null()) {
-            (f.free_host)(b.cast());
-        }
-    }
-}
-
-/// The pieces a copy of `len` bytes is split into: at least two when it is large
-/// enough to overlap, at most one pinned buffer each.
-fn piece_size(len: usize) -> usize {
-    len.div_ceil(2).clamp(MIN_PIECE, PINNED_BUFFER)
 }
 
 fn check(call: DriverCall, rc: CuResult) -> Result<(), DriverError> {
@@ -429,89 +406,87 @@ impl VmmDriver for CudaDriver {
 
     fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
         self.bind();
-        let call = DriverCall::CopyToHost;
-        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((st, f)) = self.staging(&mut slot) else {
-            let rc = unsafe { (self.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
-            return check(call, rc);
-        };
-        let piece = piece_size(dst.len());
-        let pieces: Vec<(usize, usize)> = (0..dst.len())
-            .step_by(piece)
-            .map(|off| (off, piece.min(dst.len() - off)))
-            .collect();
-        let issue = |i: usize| {
-            let (off, len) = pieces[i];
-            let b = i % 2;
-            unsafe { (f.dtoh_async)(st.buffers[b].cast(), src + off as u64, len, st.streams[b]) }
-        };
-        let result = (|| {
-            for i in 0..pieces.len().min(2) {
-                check(call, issue(i))?;
-            }
-            for (i, &(off, len)) in pieces.iter().enumerate() {
-                let b = i % 2;
-                check(call, unsafe { (f.stream_sync)(st.streams[b]) })?;
-                // The other stream's DMA runs while this piece moves to the caller.
-                let from = unsafe { std::slice::from_raw_parts(st.buffers[b], len) };
-                dst[off..off + len].copy_from_slice(from);
-                if i + 2 < pieces.len() {
-                    check(call, issue(i + 2))?;
-                }
-            }
-            Ok(())
-        })();
-        if result.is_err() {
-            // No DMA may still write into the buffers after we return.
-            for s in st.streams {
-                unsafe { (f.stream_sync)(s) };
-            }
-        }
-        result
+        let rc = unsafe { (self.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
+        check(DriverCall::CopyToHost, rc)
     }
 
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
         self.bind();
-        let call = DriverCall::CopyFromHost;
-        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((st, f)) = self.staging(&mut slot) else {
-            let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
-            return check(call, rc);
+        let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
+        check(DriverCall::CopyFromHost, rc)
+    }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {
+        let call = DriverCall::RegisterHost;
+        let Some(f) = self.register_fns else {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_NOT_SUPPORTED,
+            });
         };
-        let piece = piece_size(src.len());
-        let mut result = Ok(());
-        for (i, off) in (0..src.len()).step_by(piece).enumerate() {
-            let len = piece.min(src.len() - off);
-            let b = i % 2;
-            if i >= 2 {
-                // The buffer's previous piece must have left before it is refilled.
-                result = check(call, unsafe { (f.stream_sync)(st.streams[b]) });
-                if result.is_err() {
-                    break;
-                }
+        self.bind();
+        // Flags 0: pinned for this context only, no device mapping needed.
+        check(call, unsafe { (f.register)(ptr.cast(), len, 0) })
+    }
+
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {
+        let call = DriverCall::UnregisterHost;
+        let Some(f) = self.register_fns else {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_NOT_SUPPORTED,
+            });
+        };
+        self.bind();
+        check(call, unsafe { (f.unregister)(ptr.cast()) })
+    }
+
+    unsafe fn copy_to_host_async(
+        &self,
+        src: DevicePtr,
+        dst: *mut u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError> {
+        self.bind();
+        let call = DriverCall::CopyToHost;
+        let Some(f) = self.async_fns else {
+            return check(call, (self.dtoh)(dst.cast(), src, len));
+        };
+        let s = self.stream(&f, call, stream)?;
+        check(call, (f.dtoh_async)(dst.cast(), src, len, s))
+    }
+
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError> {
+        self.bind();
+        let call = DriverCall::CopyFromHost;
+        let Some(f) = self.async_fns else {
+            return check(call, (self.htod)(dst, src.cast(), len));
+        };
+        let s = self.stream(&f, call, stream)?;
+        check(call, (f.htod_async)(dst, src.cast(), len, s))
+    }
+
+    fn wait(&self, stream: usize) -> Result<(), DriverError> {
+        let Some(f) = self.async_fns else {
+            return Ok(());
+        };
+        let s = {
+            let streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+            match streams.get(stream) {
+                Some(s) => *s,
+                // Never made: nothing was issued on it.
+                None => return Ok(()),
             }
-            let to = unsafe { std::slice::from_raw_parts_mut(st.buffers[b], len) };
-            to.copy_from_slice(&src[off..off + len]);
-            let rc = unsafe {
-                (f.htod_async)(
-                    dst + off as u64,
-                    st.buffers[b].cast_const().cast(),
-                    len,
-                    st.streams[b],
-                )
-            };
-            result = check(call, rc);
-            if result.is_err() {
-                break;
-            }
-        }
-        for s in st.streams {
-            let rc = unsafe { (f.stream_sync)(s) };
-            if result.is_ok() {
-                result = check(call, rc);
-            }
-        }
-        result
+        };
+        self.bind();
+        check(DriverCall::Wait, unsafe { (f.stream_sync)(s) })
     }
 
     fn synchronize(&self) -> Result<(), DriverError> {
@@ -520,10 +495,16 @@ impl VmmDriver for CudaDriver {
     }
 
     fn end_copies(&self) {
-        let mut slot = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        if let (Some(st), Some(f)) = (slot.take(), self.pinned) {
+        let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
+        if let (false, Some(f)) = (streams.is_empty(), self.async_fns) {
             self.bind();
-            free_staging(&f, &st);
+            for s in streams {
+                // SAFETY: streams made by this driver; nothing uses them after.
+                unsafe {
+                    (f.stream_sync)(s);
+                    (f.stream_destroy)(s);
+                }
+            }
         }
     }
 }

@@ -28,6 +28,10 @@ pub enum DriverCall {
     CopyToHost,
     CopyFromHost,
     Synchronize,
+    /// Waiting for a copy stream (`cuStreamSynchronize`).
+    Wait,
+    RegisterHost,
+    UnregisterHost,
 }
 
 /// A failed driver call: which call and the driver's result code (`CUresult`).
@@ -69,8 +73,41 @@ pub trait VmmDriver: Send + Sync {
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
     /// Waits for all work on the device (`cuCtxSynchronize`).
     fn synchronize(&self) -> Result<(), DriverError>;
-    /// A copy-out or copy-in finished: resources held for copies (pinned buffers,
-    /// streams) can go, so a checkpoint does not carry them.
+    /// Pins `len` bytes of host memory at `ptr` for DMA (`cuMemHostRegister_v2`).
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError>;
+    /// Unpins memory registered at `ptr` (`cuMemHostUnregister`).
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError>;
+    /// Starts copying `len` bytes from device address `src` to host memory at `dst` on
+    /// copy stream `stream` (`cuMemcpyDtoHAsync_v2`); copies on one stream run in order.
+    ///
+    /// # Safety
+    /// `dst` must stay valid for `len` bytes, and untouched by anyone else, until
+    /// [`wait`](Self::wait) on `stream` returns.
+    unsafe fn copy_to_host_async(
+        &self,
+        src: DevicePtr,
+        dst: *mut u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError>;
+    /// Starts copying `len` bytes from host memory at `src` to device address `dst` on
+    /// copy stream `stream` (`cuMemcpyHtoDAsync_v2`).
+    ///
+    /// # Safety
+    /// `src` must stay valid and unchanged for `len` bytes until [`wait`](Self::wait)
+    /// on `stream` returns.
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError>;
+    /// Waits for every copy issued on `stream` (`cuStreamSynchronize`). When it returns,
+    /// also with an error, none of them touches host memory any more.
+    fn wait(&self, stream: usize) -> Result<(), DriverError>;
+    /// A copy-out or copy-in finished: resources held for copies (streams) can go, so a
+    /// checkpoint does not carry them.
     fn end_copies(&self) {}
 }
 

@@ -4,6 +4,12 @@
 //!
 //! New physical memory is filled with [`FakeDriver::FILL`], not zeros, so a test notices
 //! when a copy-in was skipped.
+//!
+//! Async copies are honest about their timing: issuing one only checks it and queues
+//! it on its stream; the bytes move when that stream is waited for. So a caller that
+//! reads a device-to-host buffer, or reuses a host-to-device buffer, before `wait` gets
+//! wrong data, and the fake counts copies never waited for, copies into unpinned
+//! memory and host registrations.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
@@ -36,6 +42,39 @@ struct State {
     fail_next: Vec<(DriverCall, usize)>,
     /// Most bytes of physical memory alive at one time.
     peak_physical: u64,
+    /// Registered host ranges: start → length.
+    registered: BTreeMap<usize, usize>,
+    host: HostStats,
+    /// Async copies issued and not yet waited for, in issue order.
+    pending: Vec<Pending>,
+}
+
+/// What the fake saw of host registrations and async copies.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct HostStats {
+    /// `register_host` calls that succeeded.
+    pub registrations: usize,
+    /// `unregister_host` calls that succeeded.
+    pub unregistrations: usize,
+    /// Async copies issued.
+    pub async_copies: usize,
+    /// Async copies whose host memory was not registered.
+    pub pageable_async_copies: usize,
+    /// Most async copies outstanding at one time.
+    pub peak_outstanding: usize,
+    /// Unregistrations refused because a copy into the range was outstanding.
+    pub unregistered_under_dma: usize,
+}
+
+/// An async copy waiting for its stream's `wait`. Host addresses as integers: the
+/// caller promised (unsafe contract) they stay valid until then.
+#[derive(Debug)]
+struct Pending {
+    stream: usize,
+    to_host: bool,
+    va: DevicePtr,
+    host: usize,
+    len: usize,
 }
 
 /// The fake driver. See the module docs.
@@ -102,6 +141,47 @@ impl FakeDriver {
     /// Number of live mappings.
     pub fn mappings(&self) -> usize {
         self.lock().mappings.len()
+    }
+
+    /// Host registrations and async copies so far.
+    pub fn host_stats(&self) -> HostStats {
+        self.lock().host
+    }
+
+    /// Host ranges registered now.
+    pub fn registered_ranges(&self) -> usize {
+        self.lock().registered.len()
+    }
+
+    /// Async copies issued and not waited for.
+    pub fn outstanding_copies(&self) -> usize {
+        self.lock().pending.len()
+    }
+
+    /// Whether `[ptr, ptr + len)` lies inside one registered range.
+    fn is_registered(state: &State, ptr: usize, len: usize) -> bool {
+        state
+            .registered
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(start, l)| ptr + len <= start + l)
+    }
+
+    /// Checks and queues an async copy.
+    fn issue(&self, call: DriverCall, p: Pending) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        if p.host == 0 || p.len == 0 {
+            return Err(invalid(call));
+        }
+        Self::resolve(&s, call, p.va, p.len as u64)?;
+        s.host.async_copies += 1;
+        if !Self::is_registered(&s, p.host, p.len) {
+            s.host.pageable_async_copies += 1;
+        }
+        s.pending.push(p);
+        s.host.peak_outstanding = s.host.peak_outstanding.max(s.pending.len());
+        Ok(())
     }
 
     fn check(state: &mut State, call: DriverCall) -> Result<(), DriverError> {
@@ -303,6 +383,109 @@ impl VmmDriver for FakeDriver {
     fn synchronize(&self) -> Result<(), DriverError> {
         Self::check(&mut self.lock(), DriverCall::Synchronize)
     }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {
+        let call = DriverCall::RegisterHost;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let start = ptr as usize;
+        let end = start.checked_add(len).ok_or_else(|| invalid(call))?;
+        // Like the driver: overlapping registrations are refused.
+        if start == 0 || len == 0 || overlaps_host(&s.registered, start, end) {
+            return Err(invalid(call));
+        }
+        s.registered.insert(start, len);
+        s.host.registrations += 1;
+        Ok(())
+    }
+
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {
+        let call = DriverCall::UnregisterHost;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let start = ptr as usize;
+        let len = *s.registered.get(&start).ok_or_else(|| invalid(call))?;
+        if s.pending
+            .iter()
+            .any(|p| p.host < start + len && p.host + p.len > start)
+        {
+            s.host.unregistered_under_dma += 1;
+            return Err(invalid(call));
+        }
+        s.registered.remove(&start);
+        s.host.unregistrations += 1;
+        Ok(())
+    }
+
+    unsafe fn copy_to_host_async(
+        &self,
+        src: DevicePtr,
+        dst: *mut u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError> {
+        let p = Pending {
+            stream,
+            to_host: true,
+            va: src,
+            host: dst as usize,
+            len,
+        };
+        self.issue(DriverCall::CopyToHost, p)
+    }
+
+    unsafe fn copy_from_host_async(
+        &self,
+        dst: DevicePtr,
+        src: *const u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<(), DriverError> {
+        let p = Pending {
+            stream,
+            to_host: false,
+            va: dst,
+            host: src as usize,
+            len,
+        };
+        self.issue(DriverCall::CopyFromHost, p)
+    }
+
+    fn wait(&self, stream: usize) -> Result<(), DriverError> {
+        let mut s = self.lock();
+        let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut s.pending)
+            .into_iter()
+            .partition(|p| p.stream == stream);
+        s.pending = rest;
+        // A failed wait still ends the stream's copies (their data is undefined).
+        Self::check(&mut s, DriverCall::Wait)?;
+        for p in mine {
+            let call = if p.to_host {
+                DriverCall::CopyToHost
+            } else {
+                DriverCall::CopyFromHost
+            };
+            let (handle, offset) = Self::resolve(&s, call, p.va, p.len as u64)?;
+            let memory = s.physical.get_mut(&handle).ok_or_else(|| invalid(call))?;
+            let device = &mut memory[offset..offset + p.len];
+            // SAFETY: the issuer promised the host range stays valid and unshared until
+            // this wait (the unsafe contract of the async copies).
+            unsafe {
+                if p.to_host {
+                    std::ptr::copy_nonoverlapping(device.as_ptr(), p.host as *mut u8, p.len);
+                } else {
+                    std::ptr::copy_nonoverlapping(p.host as *const u8, device.as_mut_ptr(), p.len);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn overlaps_host(map: &BTreeMap<usize, usize>, start: usize, end: usize) -> bool {
+    map.range(..end)
+        .next_back()
+        .is_some_and(|(s, len)| s + len > start)
 }
 
 #[cfg(test)]

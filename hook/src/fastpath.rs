@@ -2,16 +2,22 @@
 //! release the physical memory (keeping the VA ranges); then remap (new physical
 //! memory at the same VAs) → copy in from the image → thaw.
 //!
-//! Host memory stays bounded: copy-out fills the [`ImageWriter`]'s staging buffers
-//! directly (`write_chunk_with`, at most `max_in_flight` of them), copy-in goes through
-//! one buffer of the image's chunk size. Nothing holds a copy of all device memory.
+//! Copies are pipelined (see "Copy path" in the README): copy-out DMAs device memory
+//! straight into the [`ImageWriter`]'s staging buffers (pinned once per image through
+//! [`VmmDriver::register_host`]) on `streams` copy streams, while the writer's workers
+//! hash and store the chunks already copied; copy-in has reader threads fill a pinned
+//! [`StagingPool`] (read, decompress, CRC) while the filled buffers go to the device on
+//! the copy streams. Host memory stays bounded by the two pools; nothing holds a copy
+//! of all device memory, and no DMA outlives its buffer ([`InFlight`]).
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpu_state::image::{
-    AllocId, AllocationTags, ImageError, ImageOptions, ImageReader, ImageWriter,
+    AllocId, AllocationTags, Compression, ImageError, ImageOptions, ImageReader, ImageWriter,
+    StagingPin, StagingPool,
 };
 use thiserror::Error;
 
@@ -63,20 +69,224 @@ pub enum FastPathError {
 /// How the fast path runs.
 #[derive(Debug, Clone)]
 pub struct FastPathOptions {
-    /// How images are written (chunk size, compression, threads, staging buffers).
+    /// How images are written (chunk size, compression, worker threads, and the
+    /// copy-out staging pool: `max_in_flight` buffers of `chunk_size`).
     pub image: ImageOptions,
     /// How long a freeze waits for GPU work in flight.
     pub freeze_timeout: Duration,
     /// The `pid` tag of the image's allocations (this process's PID, which CRIU keeps).
     pub pid: Option<u32>,
+    /// Copy streams, i.e. DMA copies in flight at once (capped by the staging buffers).
+    pub streams: usize,
+    /// Bytes of the copy-in staging pool (at least two buffers of the image's chunk
+    /// size).
+    pub copy_in_staging: usize,
+    /// Threads reading (decompressing, checking) chunks during copy-in.
+    pub read_threads: usize,
+    /// Pin the staging pools for DMA (`cuMemHostRegister`); off, copies go through
+    /// pageable memory (for comparison).
+    pub pin: bool,
+}
+
+/// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
+pub const ENV_COMPRESSION: &str = "GPUCR_HOOK_COMPRESSION";
+pub const ENV_CHUNK_MIB: &str = "GPUCR_HOOK_CHUNK_MIB";
+pub const ENV_STAGING_MIB: &str = "GPUCR_HOOK_STAGING_MIB";
+pub const ENV_THREADS: &str = "GPUCR_HOOK_THREADS";
+pub const ENV_STREAMS: &str = "GPUCR_HOOK_STREAMS";
+pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
+
+/// Hook defaults: large chunks (fewer calls per GB), no compression (model weights
+/// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
+const DEFAULT_CHUNK_MIB: usize = 32;
+const DEFAULT_STAGING_MIB: usize = 512;
+const DEFAULT_STREAMS: usize = 4;
+
+/// A bad hook copy setting in the environment.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("{var}={value:?}: {reason}")]
+pub struct OptionsError {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: &'static str,
+}
+
+impl FastPathOptions {
+    /// The hook's options from environment variables (`get` looks one up):
+    /// `GPUCR_HOOK_COMPRESSION` = `none` (default) | `zstd` | `zstd:<level>`,
+    /// `GPUCR_HOOK_CHUNK_MIB` (32), `GPUCR_HOOK_STAGING_MIB` (512, per direction),
+    /// `GPUCR_HOOK_THREADS` (CPUs, at most 16), `GPUCR_HOOK_STREAMS` (4),
+    /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory).
+    pub fn from_env_with(
+        get: impl Fn(&str) -> Option<String>,
+    ) -> Result<FastPathOptions, OptionsError> {
+        let number = |var: &'static str, default: usize| -> Result<usize, OptionsError> {
+            match get(var) {
+                None => Ok(default),
+                Some(v) => match v.trim().parse::<usize>() {
+                    Ok(n) if n > 0 => Ok(n),
+                    _ => Err(OptionsError {
+                        var,
+                        value: v,
+                        reason: "expected a positive integer",
+                    }),
+                },
+            }
+        };
+        let compression = match get(ENV_COMPRESSION) {
+            None => Compression::None,
+            Some(v) => parse_compression(&v).ok_or(OptionsError {
+                var: ENV_COMPRESSION,
+                value: v,
+                reason: "expected none, zstd or zstd:<level 1..=19>",
+            })?,
+        };
+        let cpus = std::thread::available_parallelism().map_or(4, |n| n.get());
+        let chunk_mib = number(ENV_CHUNK_MIB, DEFAULT_CHUNK_MIB)?;
+        if chunk_mib > 1024 {
+            return Err(OptionsError {
+                var: ENV_CHUNK_MIB,
+                value: chunk_mib.to_string(),
+                reason: "chunks are at most 1024 MiB",
+            });
+        }
+        let chunk_size = chunk_mib << 20;
+        let staging = number(ENV_STAGING_MIB, DEFAULT_STAGING_MIB)? << 20;
+        let threads = number(ENV_THREADS, cpus.clamp(1, 16))?.min(256);
+        let streams = number(ENV_STREAMS, DEFAULT_STREAMS)?.min(64);
+        let pin = match get(ENV_PIN).as_deref().map(str::trim) {
+            None | Some("1") => true,
+            Some("0") => false,
+            Some(v) => {
+                return Err(OptionsError {
+                    var: ENV_PIN,
+                    value: v.to_string(),
+                    reason: "expected 0 or 1",
+                })
+            }
+        };
+        Ok(FastPathOptions {
+            image: ImageOptions {
+                chunk_size,
+                compression,
+                threads,
+                // At least one buffer per stream plus one to hand to the workers.
+                max_in_flight: (staging / chunk_size).max(streams + 1),
+            },
+            freeze_timeout: Duration::from_secs(30),
+            pid: Some(std::process::id()),
+            streams,
+            copy_in_staging: staging,
+            read_threads: threads,
+            pin,
+        })
+    }
+
+    /// The hook's options from the process environment; a bad setting is logged and
+    /// the built-in defaults are used.
+    pub fn from_env() -> FastPathOptions {
+        Self::from_env_with(|var| std::env::var(var).ok()).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "ignoring the hook's copy settings");
+            Self::from_env_with(|_| None).expect("defaults are valid")
+        })
+    }
+}
+
+fn parse_compression(value: &str) -> Option<Compression> {
+    match value.trim() {
+        "none" => Some(Compression::None),
+        "zstd" => Some(Compression::Zstd { level: 1 }),
+        v => {
+            let level: i32 = v.strip_prefix("zstd:")?.parse().ok()?;
+            (1..=19)
+                .contains(&level)
+                .then_some(Compression::Zstd { level })
+        }
+    }
 }
 
 impl Default for FastPathOptions {
+    /// [`FastPathOptions::from_env`]: the preloaded hook makes its options this way.
     fn default() -> Self {
-        FastPathOptions {
-            image: ImageOptions::default(),
-            freeze_timeout: Duration::from_secs(30),
-            pid: Some(std::process::id()),
+        Self::from_env()
+    }
+}
+
+/// Pins staging pools through the driver (`cuMemHostRegister`), once per pool.
+struct DriverPin<D>(Arc<D>);
+
+impl<D: VmmDriver + 'static> StagingPin for DriverPin<D> {
+    fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
+        self.0.register_host(ptr, len).map_err(|e| e.to_string())
+    }
+    fn unpin(&self, ptr: *mut u8, len: usize) {
+        if let Err(e) = self.0.unregister_host(ptr) {
+            tracing::warn!(error = %e, bytes = len, "cannot unregister staging memory");
+        }
+    }
+}
+
+/// Async copies in flight, oldest first, at most one per stream (`depth` streams used
+/// round robin, the oldest completed before a stream is reused). Dropping it waits for
+/// every copy still in flight, so on any error path no DMA outlives its buffer.
+struct InFlight<'d, D: VmmDriver, T> {
+    driver: &'d D,
+    depth: usize,
+    issued: usize,
+    queue: VecDeque<(usize, T)>,
+}
+
+impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
+    fn new(driver: &'d D, depth: usize) -> Self {
+        InFlight {
+            driver,
+            depth: depth.max(1),
+            issued: 0,
+            queue: VecDeque::new(),
+        }
+    }
+
+    fn is_full(&self) -> bool {
+        self.queue.len() >= self.depth
+    }
+
+    /// Issues a copy with `issue(stream)` and keeps `item` (its buffer) until it is
+    /// waited for; completes the oldest copy first when all streams are busy.
+    fn start(
+        &mut self,
+        item: T,
+        issue: impl FnOnce(&mut T, usize) -> Result<(), DriverError>,
+    ) -> Result<Option<T>, DriverError> {
+        let done = if self.is_full() {
+            self.complete_oldest()?
+        } else {
+            None
+        };
+        let stream = self.issued % self.depth;
+        let mut item = item;
+        // A copy that failed to issue was never queued: its buffer may go.
+        issue(&mut item, stream)?;
+        self.issued += 1;
+        self.queue.push_back((stream, item));
+        Ok(done)
+    }
+
+    /// Waits for the oldest copy and hands back its buffer.
+    fn complete_oldest(&mut self) -> Result<Option<T>, DriverError> {
+        let Some((stream, item)) = self.queue.pop_front() else {
+            return Ok(None);
+        };
+        self.driver.wait(stream)?;
+        Ok(Some(item))
+    }
+}
+
+impl<D: VmmDriver, T> Drop for InFlight<'_, D, T> {
+    fn drop(&mut self) {
+        for (stream, _) in &self.queue {
+            if let Err(e) = self.driver.wait(*stream) {
+                tracing::warn!(error = %e, "a copy stream failed while abandoning copies");
+            }
         }
     }
 }
@@ -90,7 +300,7 @@ pub struct FastPath<D> {
     last_image: Mutex<Option<PathBuf>>,
 }
 
-impl<D: VmmDriver> FastPath<D> {
+impl<D: VmmDriver + 'static> FastPath<D> {
     pub fn new(allocator: Arc<Allocator<D>>, gate: Arc<Gate>, opts: FastPathOptions) -> Self {
         FastPath {
             allocator,
@@ -115,6 +325,12 @@ impl<D: VmmDriver> FastPath<D> {
         Ok(table.iter().cloned().collect())
     }
 
+    /// What pins staging pools, unless pinning is off.
+    fn pin(&self) -> Option<Arc<dyn StagingPin>> {
+        let pin = DriverPin(self.allocator.driver().clone());
+        self.opts.pin.then(|| Arc::new(pin) as Arc<dyn StagingPin>)
+    }
+
     fn tags(&self) -> AllocationTags {
         AllocationTags {
             pid: self.opts.pid,
@@ -132,7 +348,9 @@ impl<D: VmmDriver> FastPath<D> {
         Ok(())
     }
 
-    /// Writes every allocation into a new image at `image_dir`.
+    /// Writes every allocation into a new image at `image_dir`: device-to-host DMA of
+    /// up to `streams` chunks at a time straight into the writer's pinned staging
+    /// buffers, each handed to the writer's workers as soon as its copy is done.
     pub fn copy_out(
         &self,
         image_dir: &Path,
@@ -140,57 +358,65 @@ impl<D: VmmDriver> FastPath<D> {
     ) -> Result<CopyOutReport, FastPathError> {
         let start = Instant::now();
         let allocs = self.movable()?;
-        let mut writer = ImageWriter::create(image_dir, parent, self.opts.image)?;
+        if let Some(alloc) = allocs.iter().find(|a| a.state != AllocState::Mapped) {
+            return Err(FastPathError::NotMapped {
+                va: alloc.va,
+                state: alloc.state,
+            });
+        }
+        let opts = self.opts.image;
+        let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
+        let staged_at = start.elapsed().as_secs_f64();
+        // Declared after the writer: dropped first, so every copy is waited for before
+        // the staging buffers can go.
+        let mut flight = InFlight::new(self.driver(), self.opts.streams.min(opts.max_in_flight));
         let mut bytes = 0;
         for alloc in &allocs {
-            if alloc.state != AllocState::Mapped {
-                return Err(FastPathError::NotMapped {
-                    va: alloc.va,
-                    state: alloc.state,
-                });
-            }
             let id = writer.begin_allocation(alloc.va, alloc.size, self.tags())?;
-            self.copy_allocation_out(&mut writer, id, alloc)?;
+            for offset in (0..alloc.size).step_by(opts.chunk_size) {
+                // Only stage when a buffer can be had without waiting on our own copies.
+                if flight.is_full() {
+                    if let Some(done) = flight.complete_oldest()? {
+                        writer.commit(done)?;
+                    }
+                }
+                let staged = writer.stage(id, offset)?;
+                let done = flight.start(staged, |staged, stream| {
+                    let (dst, len) = (staged.as_mut_ptr(), staged.len());
+                    // SAFETY: the staged buffer stays in `flight` until its stream is
+                    // waited for.
+                    unsafe {
+                        self.driver()
+                            .copy_to_host_async(alloc.va + offset, dst, len, stream)
+                    }
+                })?;
+                if let Some(done) = done {
+                    writer.commit(done)?;
+                }
+            }
             bytes += alloc.size;
         }
+        while let Some(done) = flight.complete_oldest()? {
+            writer.commit(done)?;
+        }
+        drop(flight);
         let stats = writer.stats();
         writer.finish()?;
         *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
         let report = CopyOutReport {
             allocations: allocs.len(),
             bytes,
-            peak_staging_bytes: stats.peak_in_flight as u64 * self.opts.image.chunk_size as u64,
+            peak_staging_bytes: stats.peak_in_flight as u64 * opts.chunk_size as u64,
             seconds: start.elapsed().as_secs_f64(),
         };
-        tracing::info!(?report, dir = %image_dir.display(), "device memory copied out");
+        tracing::info!(
+            ?report,
+            dir = %image_dir.display(),
+            pinned = stats.staging_pinned,
+            setup_seconds = staged_at,
+            "device memory copied out"
+        );
         Ok(report)
-    }
-
-    fn copy_allocation_out(
-        &self,
-        writer: &mut ImageWriter,
-        id: AllocId,
-        alloc: &Allocation,
-    ) -> Result<(), FastPathError> {
-        let chunk = writer.chunk_size() as u64;
-        let mut offset = 0;
-        while offset < alloc.size {
-            let mut driver_error = None;
-            let written = writer.write_chunk_with(id, offset, |buf| {
-                self.driver()
-                    .copy_to_host(alloc.va + offset, buf)
-                    .map_err(|e| {
-                        driver_error = Some(e.clone());
-                        std::io::Error::other(e)
-                    })
-            });
-            if let Some(e) = driver_error {
-                return Err(e.into());
-            }
-            written?;
-            offset += chunk;
-        }
-        Ok(())
     }
 
     /// Releases the physical memory of every mapped allocation; the VA ranges stay.
@@ -293,28 +519,66 @@ impl<D: VmmDriver> FastPath<D> {
         Ok(report)
     }
 
-    /// Copies each allocation's image data in through one chunk-sized staging buffer;
-    /// returns the bytes copied and the staging buffer's size.
+    /// Copies each allocation's image data in: reader threads fill a pinned staging
+    /// pool (read, decompress, CRC) while filled buffers go to the device on up to
+    /// `streams` copy streams. Returns the bytes copied and the pool's size.
     fn fill(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
         plan: &[AllocId],
     ) -> Result<(u64, u64), FastPathError> {
-        let chunk = reader.manifest().chunk_size;
-        let mut staging = vec![0u8; chunk as usize];
-        let mut bytes = 0;
+        let chunk = reader.manifest().chunk_size as usize;
+        let mut work = Vec::new();
+        let mut targets = Vec::new();
         for (alloc, id) in allocs.iter().zip(plan) {
-            let chunks = reader.allocations()[id.0].chunks.len();
-            for index in 0..chunks {
-                let len = reader.read_chunk_into(*id, index, &mut staging)?;
-                self.driver()
-                    .copy_from_host(alloc.va + index as u64 * chunk, &staging[..len])?;
+            for index in 0..reader.allocations()[id.0].chunks.len() {
+                work.push((*id, index));
+                targets.push(alloc.va + (index * chunk) as u64);
             }
-            bytes += alloc.size;
         }
+        let bytes = allocs.iter().map(|a| a.size).sum();
+        if work.is_empty() {
+            return Ok((bytes, 0));
+        }
+        let count = (self.opts.copy_in_staging / chunk).max(2);
+        let pool = StagingPool::new(count, chunk, self.pin())?;
+        // The sink keeps at most `count - 1` buffers, so the readers always have one.
+        let mut flight = InFlight::new(self.driver(), self.opts.streams.min(count - 1));
+        let read = reader.read_chunks_staged(
+            &work,
+            &pool,
+            self.opts.read_threads,
+            |i, buf, len| -> Result<(), FastPathError> {
+                flight.start(buf, |buf, stream| {
+                    // SAFETY: the buffer stays in `flight`, unchanged, until its stream
+                    // is waited for.
+                    unsafe {
+                        self.driver()
+                            .copy_from_host_async(targets[i], buf.as_ptr(), len, stream)
+                    }
+                })?;
+                Ok(())
+            },
+        );
+        let mut drained = Ok(());
+        while drained.is_ok() {
+            match flight.complete_oldest() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(e) => drained = Err(e),
+            }
+        }
+        drop(flight);
+        read?;
+        drained?;
         self.driver().synchronize()?;
-        Ok((bytes, staging.len() as u64))
+        tracing::debug!(
+            pinned = pool.is_pinned(),
+            buffers = count,
+            "copy-in staging"
+        );
+        Ok((bytes, (count * chunk) as u64))
     }
 
     /// The image allocation of each of `allocs`, checked before anything is copied;
@@ -371,7 +635,7 @@ impl<D: VmmDriver> FastPath<D> {
     }
 }
 
-impl<D: VmmDriver> Engine for FastPath<D> {
+impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     type Error = FastPathError;
 
     fn freeze(&self) -> Result<(), FastPathError> {

@@ -19,11 +19,8 @@ struct Setup {
     fast: FastPath<FakeDriver>,
 }
 
-fn setup() -> Setup {
-    let driver = Arc::new(FakeDriver::new(G, 256 * G));
-    let allocator = Arc::new(Allocator::new(driver.clone()).unwrap());
-    let gate = Arc::new(Gate::new());
-    let opts = FastPathOptions {
+fn opts() -> FastPathOptions {
+    FastPathOptions {
         image: ImageOptions {
             chunk_size: CHUNK,
             compression: Compression::Zstd { level: 1 },
@@ -32,7 +29,21 @@ fn setup() -> Setup {
         },
         freeze_timeout: Duration::from_secs(10),
         pid: Some(4242),
-    };
+        streams: 2,
+        copy_in_staging: 2 * CHUNK,
+        read_threads: 2,
+        pin: true,
+    }
+}
+
+fn setup() -> Setup {
+    setup_with(opts())
+}
+
+fn setup_with(opts: FastPathOptions) -> Setup {
+    let driver = Arc::new(FakeDriver::new(G, 256 * G));
+    let allocator = Arc::new(Allocator::new(driver.clone()).unwrap());
+    let gate = Arc::new(Gate::new());
     let fast = FastPath::new(allocator.clone(), gate.clone(), opts);
     Setup {
         driver,
@@ -133,7 +144,11 @@ fn round_trip_keeps_contents_and_addresses_with_bounded_staging() {
     );
     let copied = s.fast.copy_in(&image).unwrap();
     assert_eq!(copied.bytes, out.bytes);
-    assert_eq!(copied.staging_bytes, CHUNK as u64);
+    assert_eq!(
+        copied.staging_bytes,
+        2 * CHUNK as u64,
+        "two buffers of the image's chunk size"
+    );
     s.fast.thaw().unwrap();
 
     assert_eq!(s.allocator.addresses(), vas_before);
