@@ -33,7 +33,10 @@ impl StagingPin for CountPin {
 
 /// Per allocation: (va, [(offset, len, crc32c, blake3 hex)]) — what must not depend on
 /// how chunks were written.
-fn chunk_list(m: &Manifest) -> Vec<(u64, Vec<(u64, u64, Option<u32>, Option<String>)>)> {
+/// (offset, len, crc32c, blake3 hex) of one chunk.
+type ChunkRecord = (u64, u64, Option<u32>, Option<String>);
+
+fn chunk_list(m: &Manifest) -> Vec<(u64, Vec<ChunkRecord>)> {
     m.allocations
         .iter()
         .map(|a| {

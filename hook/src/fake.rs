@@ -571,4 +571,66 @@ mod tests {
         assert!(d.create(G).is_err());
         assert!(d.create(G).is_ok());
     }
+
+    #[test]
+    fn async_copies_move_bytes_only_at_wait() {
+        let d = FakeDriver::default();
+        let (va, _) = mapped(&d, G);
+        d.copy_from_host(va, b"device").unwrap();
+        let mut host = vec![0u8; 6];
+        unsafe { d.copy_to_host_async(va, host.as_mut_ptr(), 6, 1).unwrap() };
+        assert_eq!(host, [0; 6], "nothing before wait");
+        assert_eq!(d.outstanding_copies(), 1);
+        d.wait(0).unwrap();
+        assert_eq!(d.outstanding_copies(), 1, "another stream's wait");
+        d.wait(1).unwrap();
+        assert_eq!(&host, b"device");
+
+        let mut src = b"newval".to_vec();
+        unsafe { d.copy_from_host_async(va, src.as_ptr(), 6, 0).unwrap() };
+        src.copy_from_slice(b"reused");
+        d.wait(0).unwrap();
+        assert_eq!(read6(&d, va), *b"reused", "the buffer is read at wait");
+        let st = d.host_stats();
+        assert_eq!((st.async_copies, st.pageable_async_copies), (2, 2));
+        assert!(
+            unsafe { d.copy_to_host_async(va + G - 2, host.as_mut_ptr(), 6, 0) }.is_err(),
+            "checked at issue"
+        );
+    }
+
+    fn read6(d: &FakeDriver, va: DevicePtr) -> [u8; 6] {
+        let mut out = [0u8; 6];
+        d.copy_to_host(va, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn registrations_are_checked_and_counted() {
+        let d = FakeDriver::default();
+        let (va, _) = mapped(&d, G);
+        let mut host = vec![0u8; 8192];
+        let p = host.as_mut_ptr();
+        d.register_host(p, 8192).unwrap();
+        assert!(
+            d.register_host(unsafe { p.add(4096) }, 10).is_err(),
+            "overlap"
+        );
+        unsafe { d.copy_to_host_async(va, p.add(100), 50, 0).unwrap() };
+        assert!(d.unregister_host(p).is_err(), "DMA outstanding");
+        d.wait(0).unwrap();
+        d.unregister_host(p).unwrap();
+        assert!(d.unregister_host(p).is_err(), "not registered");
+        let st = d.host_stats();
+        assert_eq!(
+            (
+                st.registrations,
+                st.unregistrations,
+                st.unregistered_under_dma
+            ),
+            (1, 1, 1)
+        );
+        assert_eq!((st.async_copies, st.pageable_async_copies), (1, 0));
+        assert_eq!(d.registered_ranges(), 0);
+    }
 }
