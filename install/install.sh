@@ -24,7 +24,7 @@ say() { echo "gpucr-install: $*"; }
 command -v cargo >/dev/null || {
   echo "cargo not found: install a Rust toolchain (https://rustup.rs) and re-run" >&2; exit 1; }
 say "building release binaries"
-(cd "$top" && cargo build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin)
+(cd "$top" && cargo build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload)
 
 install -D -m 0755 "$top/target/release/containerd-shim-gpucr-v2" "$prefix/bin/containerd-shim-gpucr-v2"
 say "installed $prefix/bin/containerd-shim-gpucr-v2 (runtime io.containerd.gpucr.v2)"
@@ -34,10 +34,8 @@ plugin_dir=/usr/lib/criu
 install -D -m 0644 "$top/target/release/libgpucr_criu_plugin.so" "$plugin_dir/gpucr_cuda_plugin.so"
 say "installed CRIU plugin $plugin_dir/gpucr_cuda_plugin.so (CUDA processes, no cuda-checkpoint binary)"
 
-# The hook library, preloaded by the shim into GPU containers (read-only bind mount). Built on
-# its own: in one cargo invocation with the shim, feature unification would give the shim
-# binary the hook's exported dlsym and cu* wrappers.
-(cd "$top" && cargo build --release --locked -p gpucr-hook)
+# The hook library (package gpucr-hook-preload), preloaded by the shim into GPU containers
+# (read-only bind mount).
 install -D -m 0644 "$top/target/release/libgpucr_hook.so" /usr/lib/gpucr/libgpucr_hook.so
 say "installed /usr/lib/gpucr/libgpucr_hook.so (GPU containers get it; io.gpucr.hook=off per container, GPUCR_HOOK_LIB for another path)"
 

@@ -1,6 +1,6 @@
 //! [`Hook`]: one process's hook, wired together: the allocator, the freeze gate, the
 //! fast path behind a [`Controller`], and the control socket. These are the entry
-//! points the interposition layer (`interpose`) calls from its `cu*` wrappers.
+//! points the interposition layer (hook/preload) calls from its `cu*` wrappers.
 //!
 //! An address the hook does not track (memory from before the hook loaded, or from a
 //! path it does not back) gives [`AllocError::NotFound`] from [`Hook::free`]; the

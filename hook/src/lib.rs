@@ -10,6 +10,4 @@ pub mod fake;
 pub mod fastpath;
 pub mod gate;
 pub mod hook;
-#[cfg(feature = "interpose")]
-mod interpose;
 pub mod protocol;

@@ -3,7 +3,7 @@
 #   carry/debs/  Debian .deb files the GPU machine lacks: containerd 1.7, runc 1.1, CRIU 4.1 and
 #                its libraries (trixie), busybox-static 1.35 (bookworm: trixie's 1.37 mis-restarts
 #                `sleep` after CRIU)
-#   carry/bin/   containerd-shim-gpucr-v2 and libgpucr_criu_plugin.so (release builds)
+#   carry/bin/   containerd-shim-gpucr-v2, libgpucr_criu_plugin.so and libgpucr_hook.so (release builds)
 # usage: tests/gpu/prepare-carry.sh [--no-build]
 # The release binaries come from $CARGO_TARGET_DIR/release (default target/release); they are
 # built first unless --no-build is given. carry/ is git-ignored; the device tool takes it along
@@ -29,7 +29,7 @@ git check-ignore -q carry/ || { echo "error: carry/ is not git-ignored (add /car
 target=${CARGO_TARGET_DIR:-$repo/target}
 if [ "$build" = 1 ]; then
   echo "== cargo build --release (target dir $target)"
-  CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin
+  CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload
 fi
 
 rm -rf carry/debs carry/bin
@@ -48,8 +48,9 @@ for p in "${trixie_pkgs[@]}" busybox-static; do
   ls carry/debs/"${p}"_*.deb >/dev/null 2>&1 || { echo "error: no .deb for $p in carry/debs" >&2; exit 1; }
 done
 
-for f in "$target/release/containerd-shim-gpucr-v2" "$target/release/libgpucr_criu_plugin.so"; do
-  [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin" >&2; exit 1; }
+for f in "$target/release/containerd-shim-gpucr-v2" "$target/release/libgpucr_criu_plugin.so" \
+  "$target/release/libgpucr_hook.so"; do
+  [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload" >&2; exit 1; }
   cp "$f" carry/bin/
 done
 strip carry/bin/* 2>/dev/null || true

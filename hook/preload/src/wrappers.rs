@@ -12,7 +12,7 @@ use super::{
     config, gate_guard, hook, hook_for_current_device, hook_or_init, note, CuResult, Real,
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS,
 };
-use crate::alloc::{AllocError, UnsupportedKind};
+use gpucr_hook::alloc::{AllocError, UnsupportedKind};
 
 type DevicePtr = u64;
 type Ptr = *mut c_void;

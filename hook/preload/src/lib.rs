@@ -1,6 +1,9 @@
-//! The interposition layer of `libgpucr_hook.so` (feature `interpose`, on by default):
-//! exported `cu*` functions with the driver's ABI, `cuGetProcAddress` and `dlsym`
-//! handing those out, and the process's one [`Hook`] behind them.
+//! `libgpucr_hook.so`, the preload library: exported `cu*` functions with the driver's
+//! ABI, `cuGetProcAddress` and `dlsym` handing those out, and the process's one [`Hook`]
+//! (from the core crate, `gpucr-hook`) behind them.
+//!
+//! A package of its own so that nothing else links these `#[no_mangle]` symbols: the shim
+//! depends on the core crate, and a workspace build must not give its binary `dlsym`.
 //!
 //! The hook is made lazily, by the first allocation call that finds the environment
 //! enabled (`GPUCR_HOOK_SOCKET_DIR`) and a current context (VMM calls need one); until
@@ -20,10 +23,10 @@ use std::ffi::{c_int, c_void, CStr, CString};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::cuda::CudaDriver;
-use crate::fastpath::FastPathOptions;
-use crate::gate::GateGuard;
-use crate::hook::{Hook, HookConfig};
+use gpucr_hook::cuda::CudaDriver;
+use gpucr_hook::fastpath::FastPathOptions;
+use gpucr_hook::gate::GateGuard;
+use gpucr_hook::hook::{Hook, HookConfig};
 
 /// `CUresult`.
 type CuResult = c_int;

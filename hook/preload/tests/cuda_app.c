@@ -4,16 +4,20 @@
  * cuGetProcAddress itself first (the CUDA runtime), and with plain dlsym on libcuda's
  * handle (PyTorch).
  *
- * Usage: cuda_app [managed]. Prints "sym <name> <library> <symbol>" for resolved
- * functions, then "ready <a> <size_a> <b> <size_b>", then answers stdin lines:
+ * Usage: cuda_app [managed | loop <file>]. Prints "sym <name> <library> <symbol>" for
+ * resolved functions, then "ready <a> <size_a> <b> <size_b>", then answers stdin lines:
  * check -> "ok <hash>" | "bad <offset>"; launch -> "launched <rc>"; free -> "freed <rc> <rc>";
- * quit. */
+ * quit. With "loop" (the container test: no stdin) it instead checks its memory every
+ * 100 ms, reading it through the driver only (like a GPU program: the hook may release it
+ * between two calls), and writes "<step> ok <hash>" | "<step> bad <offset>" to <file>
+ * (atomically) and stdout. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -59,8 +63,54 @@ static unsigned char pattern_a(size_t i, unsigned launches) {
 }
 static unsigned char pattern_b(size_t i) { return (unsigned char)(i * 13 + 5); }
 
+/* Checks a copy of both allocations against their patterns; the FNV-1a hash of both, or
+ * the first bad offset. */
+static long verify(const unsigned char *a, size_t na, const unsigned char *b, size_t nb,
+                   unsigned launches, uint64_t *hash) {
+  *hash = 1469598103934665603ull;
+  for (size_t i = 0; i < na; i++) {
+    if (a[i] != pattern_a(i, launches)) return (long)i;
+    *hash = (*hash ^ a[i]) * 1099511628211ull;
+  }
+  for (size_t i = 0; i < nb; i++) {
+    if (b[i] != pattern_b(i)) return (long)(na + i);
+    *hash = (*hash ^ b[i]) * 1099511628211ull;
+  }
+  return -1;
+}
+
+/* The "loop" mode: never returns. */
+static void loop(const char *file, dtoh_t dtoh, CUdeviceptr a, size_t na, CUdeviceptr b,
+                 size_t nb) {
+  unsigned char *ca = malloc(na), *cb = malloc(nb);
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s.new", file);
+  for (unsigned long step = 1;; step++) {
+    char line[128];
+    uint64_t hash = 0;
+    if (!ca || !cb || dtoh(ca, a, na) || dtoh(cb, b, nb)) {
+      snprintf(line, sizeof line, "%lu bad copy\n", step);
+    } else {
+      long bad = verify(ca, na, cb, nb, 0, &hash);
+      if (bad >= 0)
+        snprintf(line, sizeof line, "%lu bad %ld\n", step, bad);
+      else
+        snprintf(line, sizeof line, "%lu ok %016llx\n", step, (unsigned long long)hash);
+    }
+    FILE *f = fopen(tmp, "w");
+    if (f) {
+      fputs(line, f);
+      fclose(f);
+      rename(tmp, file);
+    }
+    fputs(line, stdout);
+    usleep(100 * 1000);
+  }
+}
+
 int main(int argc, char **argv) {
   int managed = argc > 1 && strcmp(argv[1], "managed") == 0;
+  const char *loop_file = argc > 2 && strcmp(argv[1], "loop") == 0 ? argv[2] : NULL;
   setvbuf(stdout, NULL, _IOLBF, 0);
   lib = dlopen("libcuda.so.1", RTLD_NOW);
   if (!lib) {
@@ -102,6 +152,7 @@ int main(int argc, char **argv) {
     if (((managed_t)proc("cuMemAllocManaged", 6000, 0))(&m, 4096, 1)) return 6;
   }
   printf("ready %llx %zu %llx %zu\n", a, na, b, nb);
+  if (loop_file) loop(loop_file, dtoh, a, na, b, nb);
 
   char line[64];
   while (fgets(line, sizeof line, stdin)) {
@@ -112,16 +163,10 @@ int main(int argc, char **argv) {
         printf("bad copy\n");
         continue;
       }
-      long bad = -1;
-      uint64_t hash = 1469598103934665603ull;
-      for (size_t i = 0; i < na && bad < 0; i++) {
-        if (pa[i] != pattern_a(i, launches) || copy[i] != pa[i]) bad = (long)i;
-        hash = (hash ^ pa[i]) * 1099511628211ull;
-      }
-      for (size_t i = 0; i < nb && bad < 0; i++) {
-        if (pb[i] != pattern_b(i)) bad = (long)(na + i);
-        hash = (hash ^ pb[i]) * 1099511628211ull;
-      }
+      uint64_t hash = 0;
+      long bad = verify(pa, na, pb, nb, launches, &hash);
+      for (size_t i = 0; i < na && bad < 0; i++)
+        if (copy[i] != pa[i]) bad = (long)i;
       free(copy);
       if (bad >= 0)
         printf("bad %ld\n", bad);

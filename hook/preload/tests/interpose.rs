@@ -1,11 +1,10 @@
-//! libgpucr_hook.so preloaded into a real process (hook/tests/cuda_app.c, compiled
+//! libgpucr_hook.so preloaded into a real process (tests/cuda_app.c, compiled
 //! with `cc` here) whose libcuda.so.1 is tests/fake-libcuda: the program reaches the
 //! driver through cuGetProcAddress and through dlsym like the CUDA runtime and PyTorch
 //! do, and the test drives the hook's control socket through a whole fast-path cycle.
 //!
 //! The two libraries are taken from this test binary's target directory (or
 //! `GPUCR_SHIM_DIR`, where CI builds the workspace), else built with cargo.
-#![cfg(feature = "interpose")]
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -63,7 +62,7 @@ fn setup() -> &'static Setup {
     static SETUP: OnceLock<Setup> = OnceLock::new();
     SETUP.get_or_init(|| {
         let fake = artifact("libcuda.so", "fake-libcuda");
-        let hook = artifact("libgpucr_hook.so", "gpucr-hook");
+        let hook = artifact("libgpucr_hook.so", "gpucr-hook-preload");
         let dir = tempfile::Builder::new()
             .prefix("gpucr-interpose-")
             .tempdir()
