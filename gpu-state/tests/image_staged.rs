@@ -218,3 +218,68 @@ fn staged_reads_stop_at_the_first_error() {
     assert!(matches!(err, ImageError::CorruptChunk { .. }), "{err}");
     assert_eq!(pool.in_use(), 0);
 }
+
+/// CPU ceiling of the hook's copy path without a GPU: stage/commit of random chunks
+/// (zero check, CRC32C, BLAKE3, append to a data file) and read_chunks_staged back.
+/// `cargo test --release -p gpu-state --test image_staged -- --ignored --nocapture`;
+/// env `IMAGE_BENCH_GIB` (1), `IMAGE_BENCH_THREADS` (CPUs), `IMAGE_BENCH_CHUNK_MIB`
+/// (32), `IMAGE_BENCH_DIR` (/dev/shm, so the disk is not measured).
+#[test]
+#[ignore]
+fn staged_throughput() {
+    let var = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let gib = var("IMAGE_BENCH_GIB", 1);
+    let threads = var("IMAGE_BENCH_THREADS", cpus);
+    let chunk = var("IMAGE_BENCH_CHUNK_MIB", 32) << 20;
+    let base = std::env::var("IMAGE_BENCH_DIR").unwrap_or_else(|_| "/dev/shm".into());
+    let root = tempfile::tempdir_in(base).unwrap();
+    let dir = root.path().join("img");
+    let opts = ImageOptions {
+        chunk_size: chunk,
+        compression: Compression::None,
+        threads,
+        max_in_flight: threads + 4,
+    };
+    // Distinct chunks: one random chunk with a counter stamped into each copy.
+    let pattern = Rng(5).bytes(chunk);
+    let total = (gib << 30) as u64;
+    let mut writer = ImageWriter::create(&dir, None, opts).unwrap();
+    let id = writer
+        .begin_allocation(0x7f00_0000_0000, total, AllocationTags::default())
+        .unwrap();
+    let start = std::time::Instant::now();
+    for (n, offset) in (0..total).step_by(chunk).enumerate() {
+        let mut staged = writer.stage(id, offset).unwrap();
+        let len = staged.len();
+        let data = staged.data_mut();
+        data.copy_from_slice(&pattern[..len]);
+        data[..8].copy_from_slice(&(n as u64).to_le_bytes());
+        writer.commit(staged).unwrap();
+    }
+    writer.finish().unwrap();
+    let out = start.elapsed().as_secs_f64();
+
+    let reader = ImageReader::open(&dir).unwrap();
+    let work: Vec<_> = (0..reader.allocations()[0].chunks.len())
+        .map(|i| (AllocId(0), i))
+        .collect();
+    let pool = StagingPool::new(threads + 4, chunk, None).unwrap();
+    let start = std::time::Instant::now();
+    reader
+        .read_chunks_staged(&work, &pool, threads, |_, _, _| Ok::<(), ImageError>(()))
+        .unwrap();
+    let back = start.elapsed().as_secs_f64();
+    let gb = total as f64 / 1e9;
+    println!(
+        "{gib} GiB, {threads} threads, {} MiB chunks: write {:.2} GB/s (incl. one memcpy per chunk), read {:.2} GB/s",
+        chunk >> 20,
+        gb / out,
+        gb / back
+    );
+}
