@@ -113,6 +113,36 @@ pub fn find(socket_dir: &Path, host_pids: &[u32]) -> Vec<HookProcess> {
         .collect()
 }
 
+/// Connects to `socket` through an `O_PATH` descriptor of its directory
+/// (`/proc/self/fd/<n>/<name>`): the bundle's path under containerd's state directory
+/// (a 64-character CRI id in it) easily makes the socket's own path longer than a unix
+/// socket address may be (108 bytes).
+fn connect(socket: &Path) -> std::result::Result<ControlClient, ControlError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (Some(dir), Some(name)) = (socket.parent(), socket.file_name()) else {
+        return ControlClient::connect(socket);
+    };
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(|source| ControlError::Socket {
+            path: socket.to_path_buf(),
+            source,
+        })?;
+    let short = Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(name);
+    ControlClient::connect(&short).map_err(|e| match e {
+        ControlError::Socket { source, .. } => ControlError::Socket {
+            path: socket.to_path_buf(),
+            source,
+        },
+        other => other,
+    })
+}
+
 /// One process's connection.
 struct Conn {
     pid: u32,
@@ -125,7 +155,7 @@ impl Conn {
             pid: p.host_pid,
             source,
         };
-        let client = ControlClient::connect(&p.socket).map_err(control)?;
+        let client = connect(&p.socket).map_err(control)?;
         client
             .set_timeout(Some(CALL_TIMEOUT))
             .map_err(|e| control(ControlError::Frame(e.into())))?;

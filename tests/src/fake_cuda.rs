@@ -61,6 +61,14 @@ pub fn built_artifact(file: &str, package: &str) -> Result<PathBuf> {
     Ok(built)
 }
 
+/// The hook's preload library as cargo builds it (package `gpucr-hook-preload`).
+pub const HOOK_LIB: &str = "libgpucr_hook.so";
+
+/// The hook's preload library (`libgpucr_hook.so`).
+pub fn hook_lib() -> Result<PathBuf> {
+    built_artifact(HOOK_LIB, "gpucr-hook-preload")
+}
+
 /// gpucr's CRIU plugin (`libgpucr_criu_plugin.so`).
 pub fn criu_plugin() -> Result<PathBuf> {
     built_artifact(CRIU_PLUGIN, "gpucr-criu-plugin")

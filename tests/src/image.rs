@@ -245,6 +245,60 @@ impl BusyboxImage {
     }
 }
 
+/// A file of an extra image layer: its path in the rootfs (no leading `/`), bytes, mode.
+#[derive(Debug, Clone)]
+pub struct LayerFile {
+    pub path: String,
+    pub bytes: Vec<u8>,
+    pub mode: u32,
+}
+
+impl BusyboxImage {
+    /// An image named `reference`: the busybox layer plus one layer holding `files` (their
+    /// parent directories made `0755`), as an OCI layout tarball.
+    pub fn with_files_layout_tar(&self, reference: &str, files: &[LayerFile]) -> Result<Vec<u8>> {
+        let mut dirs = std::collections::BTreeSet::new();
+        for f in files {
+            let mut parent = Path::new(&f.path).parent();
+            while let Some(p) = parent.filter(|p| !p.as_os_str().is_empty()) {
+                dirs.insert(p.to_string_lossy().into_owned());
+                parent = p.parent();
+            }
+        }
+        let mut tar = TarWriter::new();
+        // BTreeSet order puts every parent before its children.
+        for d in &dirs {
+            tar.dir(d)?;
+        }
+        for f in files {
+            tar.file_mode(&f.path, &f.bytes, f.mode)?;
+        }
+        let layer_tar = tar.finish()?;
+        let extra = Blob::new(MEDIA_LAYER_GZIP, gzip(&layer_tar)?);
+
+        let base: Value = serde_json::from_slice(&self.config.bytes)?;
+        let mut config = base.clone();
+        config["rootfs"]["diff_ids"]
+            .as_array_mut()
+            .ok_or_else(|| HarnessError::Unexpected("busybox config has no diff_ids".into()))?
+            .push(json!(sha256_digest(&layer_tar)));
+        let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
+        let manifest = json!({
+            "schemaVersion": 2,
+            "mediaType": MEDIA_MANIFEST,
+            "config": config.descriptor(),
+            "layers": [self.layer.descriptor(), extra.descriptor()],
+        });
+        let manifest = Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?);
+        let mut layout = OciLayout::default();
+        layout.add_blob(&config);
+        layout.add_blob(&self.layer);
+        layout.add_blob(&extra);
+        layout.add_named(&manifest, reference);
+        layout.to_tar()
+    }
+}
+
 fn find_busybox() -> Result<PathBuf> {
     if let Some(path) = std::env::var_os("GPUCR_BUSYBOX") {
         return Ok(PathBuf::from(path));

@@ -1,0 +1,553 @@
+//! The hook's fast path through the shim, end to end on a CPU machine: a real containerd,
+//! runc and CRIU; `libgpucr_hook.so` injected by the shim (`io.gpucr.hook=on`, there are no
+//! `/dev/nvidia*` devices here) into a container running hook/preload/tests/cuda_app.c,
+//! whose `libcuda.so.1` is tests/fake-libcuda (its memory API runs on the CPU: device
+//! pointers are host addresses, VMM memory is memfd mappings).
+//!
+//! The program allocates through `cuMemAlloc` (so through the hook's VMM backing), fills a
+//! pattern, then every 100 ms reads its memory back through the driver and writes
+//! `<step> ok <hash>` to `/tmp/hash`: memory that survives a checkpoint keeps its hash, and
+//! a growing step shows the program runs. The fake's memory log (`/tmp/mem.log` in the
+//! container) shows what the hook did to the driver.
+//!
+//! The shim's own libcuda (the checkpoint API) is the same fake on the host, scripted like
+//! in gpu_fake.rs; the program is a CUDA process for the driver path only where a test's
+//! script says so. Only meaningful for gpucr.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpucr_tests::fake_cuda::{self, FakeCuda};
+use gpucr_tests::image::{BusyboxImage, LayerFile, MEDIA_CRIU_TAR};
+use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
+use gpucr_tests::{procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
+use serde_json::Value;
+
+const APP_IMAGE: &str = "docker.io/library/gpucr-cuda-app:test";
+const HASH_FILE: &str = "/tmp/hash";
+const MEM_LOG: &str = "/tmp/mem.log";
+/// The program's two allocations (cuda_app.c: 5 MiB + 123 and 3 MiB).
+const APP_BYTES: u64 = (5 << 20) + 123 + (3 << 20);
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A daemon whose shims inject the hook and use a fake libcuda; the app image imported.
+/// Fields drop in order: the daemon (and its shims) before the files they use.
+struct Hooked {
+    ctd: Containerd,
+    fake: FakeCuda,
+    hook_lib: PathBuf,
+    _plugins: tempfile::TempDir,
+}
+
+fn start() -> Option<Hooked> {
+    let runtime = runtime_under_test();
+    if runtime != GPUCR_RUNTIME {
+        eprintln!("skipped: the hook is gpucr's, the runtime under test is {runtime}");
+        return None;
+    }
+    let fake = FakeCuda::new().expect("fake libcuda");
+    let hook_lib = fake_cuda::hook_lib().expect("libgpucr_hook.so");
+    // Empty: no CUDA CRIU plugin takes over, the shim quiesces (and drives the hook).
+    let plugins = tempfile::Builder::new()
+        .prefix("gpucr-criu-libs-")
+        .tempdir()
+        .unwrap();
+    let mut env = fake.env();
+    env.push((
+        "CRIU_LIBS_DIR".into(),
+        plugins.path().to_string_lossy().into_owned(),
+    ));
+    env.push((
+        "GPUCR_HOOK_LIB".into(),
+        hook_lib.to_string_lossy().into_owned(),
+    ));
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let layout = app_layout(&fake.lib(), &hook_lib);
+    ctd.import_layout(&layout, &[])
+        .expect("import the app image");
+    Some(Hooked {
+        ctd,
+        fake,
+        hook_lib,
+        _plugins: plugins,
+    })
+}
+
+/// The shared libraries `ldd` names for `file` (absolute paths, the loader included).
+fn ldd(file: &Path) -> Vec<PathBuf> {
+    let out = Command::new("ldd").arg(file).output().expect("run ldd");
+    assert!(out.status.success(), "ldd {}", file.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// Compiles cuda_app.c into `dir`.
+fn compile_app(dir: &Path) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hook/preload/tests/cuda_app.c");
+    let app = dir.join("cuda_app");
+    let out = Command::new("cc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&app)
+        .arg(&src)
+        .arg("-ldl")
+        .output()
+        .expect("run cc (a C compiler is needed for this test)");
+    assert!(
+        out.status.success(),
+        "cc failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    app
+}
+
+/// The busybox image plus cuda_app, the fake libcuda as /usr/lib/libcuda.so.1, and the host
+/// libraries the app, the fake and the hook need (at their host paths).
+fn app_layout(fake_lib: &Path, hook_lib: &Path) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let app = compile_app(dir.path());
+    let file = |path: &str, from: &Path, mode: u32| LayerFile {
+        path: path.trim_start_matches('/').to_owned(),
+        bytes: std::fs::read(from).unwrap_or_else(|e| panic!("{}: {e}", from.display())),
+        mode,
+    };
+    let mut files = vec![
+        file("/usr/bin/cuda_app", &app, 0o755),
+        file("/usr/lib/libcuda.so.1", fake_lib, 0o755),
+    ];
+    let mut libs: Vec<PathBuf> = [app.as_path(), fake_lib, hook_lib]
+        .iter()
+        .flat_map(|f| ldd(f))
+        .collect();
+    libs.sort();
+    libs.dedup();
+    for lib in &libs {
+        files.push(file(&lib.to_string_lossy(), lib, 0o755));
+    }
+    BusyboxImage::get()
+        .unwrap()
+        .with_files_layout_tar(APP_IMAGE, &files)
+        .unwrap()
+}
+
+/// The library directories the container's loader searches (no ld.so.cache there).
+fn library_path() -> String {
+    let mut dirs = vec!["/usr/lib".to_owned()];
+    for lib in ldd(Path::new("/bin/sh")) {
+        let parent = lib.parent().unwrap().to_string_lossy().into_owned();
+        if !dirs.contains(&parent) {
+            dirs.push(parent);
+        }
+    }
+    dirs.join(":")
+}
+
+/// One line of the program's hash file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Step {
+    n: u64,
+    /// `ok <hash>` or `bad <offset>`.
+    verdict: String,
+}
+
+impl Hooked {
+    /// Runs cuda_app with `io.gpucr.hook=<hook>` and waits until it checked its memory
+    /// twice; returns the task's host pid and the memory's hash.
+    fn run_app(&self, id: &str, hook: &str) -> (u32, String) {
+        let annotation = format!("io.gpucr.hook={hook}");
+        let ld_path = format!("LD_LIBRARY_PATH={}", library_path());
+        let mem_log = format!("GPUCR_FAKE_CUDA_MEM_LOG={MEM_LOG}");
+        let flags = [
+            "--annotation",
+            &annotation,
+            "--env",
+            &ld_path,
+            "--env",
+            &mem_log,
+            "--env",
+            "GPUCR_HOOK_LOG=1",
+        ];
+        let args = ["/usr/bin/cuda_app", "loop", HASH_FILE].map(String::from);
+        self.ctd
+            .run_detached_with(id, APP_IMAGE, &flags, &args)
+            .expect("ctr run");
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        let first = self.wait_step_above(id, 1);
+        assert!(
+            first.verdict.starts_with("ok "),
+            "{first:?}; log: {}",
+            self.ctd.container_log(id)
+        );
+        (self.ctd.task_pid(id).unwrap(), first.verdict)
+    }
+
+    fn read_step(&self, id: &str) -> Option<Step> {
+        let out = self.ctd.exec(id, &["cat", HASH_FILE]).ok()?;
+        let line = out.stdout.trim();
+        let (n, verdict) = line.split_once(' ')?;
+        Some(Step {
+            n: n.parse().ok()?,
+            verdict: verdict.to_owned(),
+        })
+    }
+
+    /// Waits until the program checked its memory after step `n`.
+    fn wait_step_above(&self, id: &str, n: u64) -> Step {
+        gpucr_tests::poll_until(&format!("{id} past step {n}"), WAIT, || {
+            Ok(match self.read_step(id) {
+                Some(s) if s.n > n => Ok(s),
+                other => Err(other),
+            })
+        })
+        .unwrap_or_else(|e| panic!("{e}; log: {}", self.ctd.container_log(id)))
+    }
+
+    /// The program runs on with its memory as it was (`hash`).
+    fn assert_memory_kept(&self, id: &str, hash: &str) {
+        let now = self.read_step(id).map_or(0, |s| s.n);
+        let next = self.wait_step_above(id, now);
+        assert_eq!(
+            next.verdict,
+            hash,
+            "memory of {id} after step {now}; mem log: {:#?}",
+            self.mem_log(id)
+        );
+    }
+
+    /// The fake driver's memory calls in the container (`<function> <args> -> <rc>`).
+    fn mem_log(&self, id: &str) -> Vec<String> {
+        self.ctd
+            .exec(id, &["cat", MEM_LOG])
+            .map(|o| o.stdout.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    fn count(&self, id: &str, function: &str) -> usize {
+        let prefix = format!("{function} ");
+        self.mem_log(id)
+            .iter()
+            .filter(|l| l.starts_with(&prefix))
+            .count()
+    }
+
+    fn config(&self, id: &str) -> Value {
+        let path = self.ctd.bundle(id).join("config.json");
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
+    }
+
+    fn shim_log(&self) -> String {
+        self.ctd.log_tail(400)
+    }
+}
+
+/// The mounts at the hook's two destinations: (destination, source).
+fn hook_mounts(config: &Value) -> Vec<(String, String)> {
+    config["mounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| {
+            let dest = m["destination"].as_str()?;
+            let source = m["source"].as_str()?;
+            dest.starts_with("/.gpucr/")
+                .then(|| (dest.to_owned(), source.to_owned()))
+        })
+        .collect()
+}
+
+fn env_of(config: &Value, key: &str) -> Option<String> {
+    let prefix = format!("{key}=");
+    config["process"]["env"]
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|e| e.strip_prefix(&prefix).map(str::to_owned))
+}
+
+/// Files of a `ctr task checkpoint` image's CRIU tar.
+fn stored_checkpoint_files(ctd: &Containerd, name: &str) -> BTreeMap<String, Vec<u8>> {
+    let index: Value =
+        serde_json::from_slice(&ctd.content(&ctd.image_digest(name).unwrap()).unwrap()).unwrap();
+    let digest = index["manifests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["mediaType"] == MEDIA_CRIU_TAR)
+        .and_then(|d| d["digest"].as_str())
+        .unwrap_or_else(|| panic!("{name} has no CRIU tar: {index}"));
+    let tar = ctd.content(digest).unwrap();
+    let mut files = BTreeMap::new();
+    for entry in tar::Archive::new(tar.as_slice()).entries().unwrap() {
+        let mut entry = entry.unwrap();
+        let path = entry.path().unwrap().to_string_lossy().into_owned();
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data).unwrap();
+        files.insert(path.trim_start_matches("./").to_owned(), data);
+    }
+    files
+}
+
+/// Checks `gpucr-hook.json` (text) lists namespace pid 1 with all the program's bytes.
+fn assert_hook_record(record: &[u8]) {
+    let record: Value = serde_json::from_slice(record).unwrap();
+    assert_eq!(record["injected"], true, "{record}");
+    let processes = record["processes"].as_array().unwrap();
+    assert_eq!(processes.len(), 1, "{record}");
+    assert_eq!(processes[0]["ns_pid"], 1, "{record}");
+    assert_eq!(processes[0]["allocations"], 2, "{record}");
+    let bytes = processes[0]["copy_out_bytes"].as_u64().unwrap();
+    assert!(
+        bytes >= APP_BYTES,
+        "copied out {bytes} of {APP_BYTES}: {record}"
+    );
+    assert!(
+        record["fallbacks"].as_array().unwrap().is_empty(),
+        "{record}"
+    );
+}
+
+#[test]
+fn hook_moves_memory_across_checkpoints_and_a_restore() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-fast");
+    let (_pid, hash) = g.run_app(&id, "on");
+
+    // Injection: the library read-only, the socket directory, the environment, and the
+    // program's hook serving in the bundle's socket directory (namespace pid 1).
+    let config = g.config(&id);
+    let sockets = g.ctd.bundle(&id).join("gpucr-hook");
+    assert_eq!(
+        hook_mounts(&config),
+        [
+            (
+                "/.gpucr/lib/libgpucr_hook.so".to_owned(),
+                g.hook_lib.to_string_lossy().into_owned()
+            ),
+            (
+                "/.gpucr/run".to_owned(),
+                sockets.to_string_lossy().into_owned()
+            ),
+        ]
+    );
+    assert_eq!(
+        env_of(&config, "LD_PRELOAD").as_deref(),
+        Some("/.gpucr/lib/libgpucr_hook.so")
+    );
+    assert_eq!(
+        env_of(&config, "GPUCR_HOOK_SOCKET_DIR").as_deref(),
+        Some("/.gpucr/run")
+    );
+    assert!(
+        sockets.join("hook-1.sock").exists(),
+        "no hook-1.sock in {}; log: {}",
+        sockets.display(),
+        g.ctd.container_log(&id)
+    );
+    // Both allocations are the hook's (VMM), none the driver's plain cuMemAlloc.
+    assert_eq!(g.count(&id, "cuMemCreate"), 2, "{:#?}", g.mem_log(&id));
+    assert_eq!(g.count(&id, "cuMemAlloc_v2"), 0, "{:#?}", g.mem_log(&id));
+
+    // Leave-running checkpoint: the hook moved the memory into the image and got it back.
+    let stored = g
+        .ctd
+        .task_checkpoint(&id, &[])
+        .expect("ctr task checkpoint")
+        .expect("checkpoint image stored");
+    let files = stored_checkpoint_files(&g.ctd, &stored);
+    assert_hook_record(
+        files
+            .get("gpucr-hook.json")
+            .unwrap_or_else(|| panic!("no gpucr-hook.json in {:?}", files.keys())),
+    );
+    assert!(
+        files.keys().any(|f| f.starts_with("gpu-hook/1/")),
+        "no gpu-hook/1/ in {:?}",
+        files.keys()
+    );
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    assert_eq!(g.count(&id, "cuMemRelease"), 2, "{:#?}", g.mem_log(&id));
+    assert_eq!(
+        g.count(&id, "cuMemCreate"),
+        4,
+        "remapped: {:#?}",
+        g.mem_log(&id)
+    );
+
+    // A container checkpoint (ctr pauses the task around it), then a restore of it.
+    // containerd 1.7 stores no CRIU tar while an identical spec blob is referenced: the
+    // first image goes first.
+    g.ctd.remove_image(&stored).unwrap();
+    let reference = format!("docker.io/gpucr/hook-{id}:1");
+    g.ctd
+        .container_checkpoint(&id, &reference, true)
+        .expect("ctr container checkpoint --task --rw");
+    g.assert_memory_kept(&id, &hash);
+    g.ctd.remove_container(&id).unwrap();
+    g.ctd
+        .container_restore(&id, &reference, true)
+        .unwrap_or_else(|e| panic!("restore: {e}\nshim log: {}", g.shim_log()));
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    // The restored process got its memory back from the image (remap: two more
+    // cuMemCreate in the restored log), and the shim said so.
+    assert!(
+        g.count(&id, "cuMemCreate") >= 6,
+        "no remap after the restore: {:#?}",
+        g.mem_log(&id)
+    );
+    assert!(
+        g.shim_log()
+            .contains("restored process's device memory copied in"),
+        "{}",
+        g.shim_log()
+    );
+    assert!(g.ctd.bundle(&id).join("gpucr-hook/hook-1.sock").exists());
+    g.ctd.remove_container(&id).unwrap();
+    let _ = g.ctd.remove_image(&reference);
+    drop(g.fake);
+}
+
+#[test]
+fn failed_driver_lock_gives_the_memory_back() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-lockfail");
+    let (pid, hash) = g.run_app(&id, "on");
+    // The program is a CUDA process for the driver too, whose lock fails after the hook
+    // moved its memory.
+    g.fake
+        .set_script(&format!("cuda {pid}\nlock {pid} fail 2\n"))
+        .unwrap();
+    let err = match g.ctd.task_checkpoint(&id, &[]) {
+        Ok(image) => panic!("checkpoint succeeded ({image:?}): {:#?}", g.fake.calls()),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("lock"), "the error names the step: {err}");
+    assert_eq!(g.fake.calls_of(pid), ["lock -> 2"]);
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    // Released, then remapped and copied back in.
+    assert_eq!(g.count(&id, "cuMemRelease"), 2, "{:#?}", g.mem_log(&id));
+    assert_eq!(g.count(&id, "cuMemCreate"), 4, "{:#?}", g.mem_log(&id));
+    g.ctd.remove_container(&id).unwrap();
+}
+
+fn fnv1a64(data: &[u8]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in data {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Rewrites `name` in image `dir` and its manifest entry, as if the checkpoint wrote it so:
+/// only the hook's own checksums can find the damage.
+fn rewrite_with_manifest(dir: &Path, name: &str, data: &[u8]) {
+    std::fs::write(dir.join(name), data).unwrap();
+    let path = dir.join("gpucr-checkpoint.json");
+    let mut manifest: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let entry = &mut manifest["files"][name];
+    let checksummed = entry.get("fnv1a64").is_some();
+    *entry = serde_json::json!({ "size": data.len() });
+    if checksummed {
+        entry["fnv1a64"] = fnv1a64(data).into();
+    }
+    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+}
+
+#[test]
+fn damaged_hook_image_is_refused_before_anything_is_created() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-damaged");
+    let (_pid, hash) = g.run_app(&id, "on");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let dir = g.ctd.dir().join("damaged-images");
+    let flags = CheckpointFlags {
+        image_path: Some(&dir),
+        ..Default::default()
+    };
+    let outcome = g
+        .ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint");
+    assert_eq!(outcome, CheckpointOutcome::Dir(dir.clone()));
+    assert_hook_record(&std::fs::read(dir.join("gpucr-hook.json")).unwrap());
+    g.assert_memory_kept(&id, &hash);
+    g.ctd.remove_container(&id).unwrap();
+
+    // One byte of the largest data file of the hook's image flipped.
+    let hook_dir = dir.join("gpu-hook/1");
+    let data = std::fs::read_dir(&hook_dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !p.to_string_lossy().ends_with(".json"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .unwrap_or_else(|| panic!("no data file in {}", hook_dir.display()));
+    let mut bytes = std::fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    let name = data
+        .strip_prefix(&dir)
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    rewrite_with_manifest(&dir, &name, &bytes);
+
+    let err = g
+        .ctd
+        .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
+        .expect_err("restore of a damaged hook image")
+        .to_string();
+    assert!(
+        err.contains("damaged") && err.contains("gpu-hook"),
+        "the refusal names the damage: {err}"
+    );
+    // Nothing was created: no task, no shim, no runc container.
+    assert_eq!(g.ctd.task_status(&id).unwrap(), None, "no task {id}");
+    let address = g.ctd.address().to_string_lossy().into_owned();
+    gpucr_tests::poll_until("shim exits", Duration::from_secs(10), || {
+        Ok(match procfs::shim_pid(&address, &id) {
+            None => Ok(()),
+            Some(p) => Err(p),
+        })
+    })
+    .unwrap();
+    let runc_state = Path::new("/run/containerd/runc")
+        .join(g.ctd.namespace())
+        .join(&id);
+    assert!(!runc_state.exists(), "runc still knows {id}");
+    let _ = g.ctd.ctr(&["container", "rm", &id]);
+}
+
+#[test]
+fn hook_off_injects_nothing() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-off");
+    let started = Instant::now();
+    g.run_app(&id, "off");
+    let config = g.config(&id);
+    assert!(hook_mounts(&config).is_empty(), "{config}");
+    assert_eq!(env_of(&config, "LD_PRELOAD"), None);
+    assert_eq!(env_of(&config, "GPUCR_HOOK_SOCKET_DIR"), None);
+    assert!(!g.ctd.bundle(&id).join("gpucr-hook").exists());
+    // Without the hook the program's memory is the driver's plain allocations.
+    assert_eq!(g.count(&id, "cuMemAlloc_v2"), 2, "{:#?}", g.mem_log(&id));
+    assert_eq!(g.count(&id, "cuMemCreate"), 0);
+    eprintln!("hook off: ran in {:?}", started.elapsed());
+    g.ctd.remove_container(&id).unwrap();
+}
