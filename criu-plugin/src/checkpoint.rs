@@ -49,6 +49,7 @@ pub fn pause_devices(pid: i32) -> i32 {
             return -1;
         }
         plugin.inventory_added = true;
+        record_gpus();
     }
     if initial == ProcessState::Running {
         criu::log(
@@ -182,4 +183,32 @@ fn back_to_initial(driver: &CudaDriver, t: &Tracked) -> Result<(), String> {
         }
         Ok::<(), gpu_state::DriverError>(())
     })
+}
+
+/// Records this host's GPUs in the image, for restores elsewhere (see `gpus`). Without the
+/// record a restore cannot pair GPUs; the dump itself is still good.
+fn record_gpus() {
+    let Some(dir) = crate::gpus::image_dir() else {
+        criu::log(
+            Level::Warn,
+            "no image directory from CRIU: GPUs not recorded",
+        );
+        return;
+    };
+    let inventory = gpu_state::inventory::Inventory::gather();
+    match crate::gpus::save(&dir, &inventory) {
+        Ok(()) => criu::log(
+            Level::Info,
+            &format!(
+                "recorded {} GPUs (driver {}) in {}",
+                inventory.gpus.len(),
+                inventory.driver_version.as_deref().unwrap_or("unknown"),
+                crate::gpus::FILE
+            ),
+        ),
+        Err(e) => criu::log(
+            Level::Warn,
+            &format!("{e}; a restore elsewhere cannot pair GPUs"),
+        ),
+    }
 }

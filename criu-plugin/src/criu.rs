@@ -63,6 +63,15 @@ pub fn check_and_remove_inventory_plugin(name: &CStr) -> Option<bool> {
     Some(unsafe { f(name.as_ptr(), name.to_bytes().len()) })
 }
 
+/// CRIU's image directory, as an fd (`criu_get_image_dir`, the public plugin API).
+pub fn image_dir_fd() -> Option<c_int> {
+    let f = lookup(c"criu_get_image_dir")?;
+    // SAFETY: int criu_get_image_dir(void).
+    let f: unsafe extern "C" fn() -> c_int = unsafe { std::mem::transmute(f) };
+    let fd = unsafe { f() };
+    (fd >= 0).then_some(fd)
+}
+
 /// Makes CRIU stop tasks with ptrace interrupts instead of the cgroup freezer: a
 /// frozen cgroup would keep the CUDA restore thread from running during checkpoint.
 pub fn set_compel_interrupt_only_mode() -> bool {

@@ -3,6 +3,7 @@
 mod checkpoint;
 mod criu;
 pub mod final_state;
+pub mod gpus;
 mod ptrace;
 mod restore;
 mod state;
@@ -131,10 +132,44 @@ fn init(stage: c_int) -> c_int {
             "this CRIU cannot stop tasks by interrupt only; do not use --freeze-cgroup",
         );
     }
+    let mut gpu_pairs = Vec::new();
+    if stage == STAGE_RESTORE {
+        // Before anything is restored: can this host take the checkpoint's GPUs?
+        match restore_gpu_pairs() {
+            Ok(p) => gpu_pairs = p,
+            Err(e) => {
+                criu::log(Level::Error, &format!("refusing the restore: {e}"));
+                return -1;
+            }
+        }
+    }
     if let Some(p) = guard.as_mut() {
         p.driver = Some(driver);
+        p.gpu_pairs = gpu_pairs;
     }
     0
+}
+
+fn restore_gpu_pairs() -> Result<Vec<gpu_state::GpuPair>, String> {
+    let Some(dir) = gpus::image_dir() else {
+        return Ok(Vec::new());
+    };
+    let Some(record) = gpus::load(&dir)? else {
+        return Ok(Vec::new());
+    };
+    let current = gpu_state::inventory::Inventory::gather();
+    let map = std::env::var(gpus::MAP_ENV).ok();
+    let always = std::env::var(gpus::PAIRS_ENV).is_ok_and(|v| v == "always");
+    let pairs = gpus::plan(&record.inventory, &current, map.as_deref(), always)?;
+    criu::log(
+        Level::Info,
+        &format!(
+            "{} recorded GPUs; {} GPU pairs for the driver",
+            record.inventory.gpus.len(),
+            pairs.len()
+        ),
+    );
+    Ok(pairs)
 }
 
 unsafe extern "C" fn plugin_exit(stage: c_int, ret: c_int) {

@@ -44,7 +44,7 @@ pub fn resume_devices_late(pid: i32) -> i32 {
     );
     let r = with_restore_thread(tid as i32, || {
         if restore {
-            driver.restore(upid, &[])?;
+            driver.restore(upid, &plugin.gpu_pairs)?;
         }
         if unlock {
             driver.unlock(upid)?;

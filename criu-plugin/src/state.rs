@@ -2,7 +2,7 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use gpu_state::{CudaDriver, ProcessState};
+use gpu_state::{CudaDriver, GpuPair, ProcessState};
 
 /// A CUDA process we paused during this dump.
 #[derive(Debug, Clone, Copy)]
@@ -20,6 +20,8 @@ pub struct Plugin {
     pub driver: Option<CudaDriver>,
     pub inventory_added: bool,
     pub tracked: Vec<Tracked>,
+    /// Restore: which recorded GPU becomes which here (empty: the same GPUs).
+    pub gpu_pairs: Vec<GpuPair>,
 }
 
 static PLUGIN: Mutex<Option<Plugin>> = Mutex::new(None);

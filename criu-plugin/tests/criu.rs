@@ -339,3 +339,83 @@ fn failed_checkpoint_fails_the_dump_and_resumes() {
     let c = run.count();
     run.wait_count_above(c + 3);
 }
+
+/// A stand-in for `/proc/driver/nvidia` with one GPU.
+fn fake_procfs(root: &Path, model: &str, uuid: &str) -> PathBuf {
+    let gpu = root.join("gpus/0000:19:00.0");
+    std::fs::create_dir_all(&gpu).unwrap();
+    std::fs::write(
+        root.join("version"),
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build\n",
+    )
+    .unwrap();
+    std::fs::write(
+        gpu.join("information"),
+        format!("Model: \t\t {model}\nGPU UUID: \t {uuid}\nBus Location: \t 0000:19:00.0\nDevice Minor: \t 0\n"),
+    )
+    .unwrap();
+    root.to_path_buf()
+}
+
+const UUID_A: &str = "GPU-aaaaaaaa-1111-2222-3333-444444444444";
+const UUID_B: &str = "GPU-bbbbbbbb-1111-2222-3333-444444444444";
+
+#[test]
+fn restore_onto_another_gpu_passes_the_pair_and_refuses_another_model() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    if !can_run() {
+        return;
+    }
+    let mut run = Run::start();
+    run.with_fake_cuda(&format!("cuda {}\n", run.pid));
+    let pid = run.pid;
+    let hosts = run.dir.path().join("hosts");
+    let a = fake_procfs(&hosts.join("a"), "NVIDIA H200", UUID_A);
+    let b = fake_procfs(&hosts.join("b"), "NVIDIA H200", UUID_B);
+    let other = fake_procfs(&hosts.join("other"), "NVIDIA A100-SXM4-80GB", UUID_B);
+    run.env.push(("GPUCR_NVIDIA_PROCFS".into(), a));
+    let dump = run.dump(&[]);
+    assert!(
+        dump.contains("recorded 1 GPUs (driver 580.159.04)"),
+        "{dump}"
+    );
+    let record =
+        std::fs::read_to_string(run.dir.path().join("img/gpucr-plugin-gpus.json")).unwrap();
+    assert!(record.contains(UUID_A), "{record}");
+
+    // Another model: refused before anything is restored, naming both.
+    run.env.retain(|(k, _)| k != "GPUCR_NVIDIA_PROCFS");
+    run.env.push(("GPUCR_NVIDIA_PROCFS".into(), other));
+    run.reap_until_gone();
+    let (ok, log) = run.criu(&["restore", "-d"]);
+    assert!(!ok, "restore onto an A100 must fail:\n{log}");
+    assert!(
+        log.contains("refusing the restore") && log.contains("A100") && log.contains("H200"),
+        "{log}"
+    );
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "nothing restored"
+    );
+    assert!(
+        !run.fake_log().iter().any(|l| l.starts_with("restore")),
+        "the driver was not asked: {:?}",
+        run.fake_log()
+    );
+
+    // Another H200: restored with the old->new pair given to the driver.
+    run.env.retain(|(k, _)| k != "GPUCR_NVIDIA_PROCFS");
+    run.env.push(("GPUCR_NVIDIA_PROCFS".into(), b));
+    let before = run.count();
+    let Some(restore) = run.restore() else {
+        return;
+    };
+    assert!(restore.contains("1 GPU pairs for the driver"), "{restore}");
+    assert!(
+        run.fake_log()
+            .contains(&format!("restore {pid} pairs=1 -> 0")),
+        "{:?}",
+        run.fake_log()
+    );
+    run.wait_count_above(before + 3);
+}
