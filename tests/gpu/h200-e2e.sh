@@ -818,7 +818,7 @@ kill_rm stock
 if ! want b b-restore c; then
   skip_all b b-restore c
 elif start_workload gpucr "$GPUCR_RT"; then
-  want b b-restore && { scenario_b gpucr || true; }
+  if want b b-restore; then scenario_b gpucr || true; else skip_all b b-restore; fi
   if [ "$(task_status gpucr)" != RUNNING ]; then
     kill_rm gpucr
     start_workload gpucr "$GPUCR_RT" || true
@@ -891,15 +891,21 @@ e_diag() {
     echo "== task $pid"
     cg=$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup" 2>/dev/null)
     echo "cgroup $cg freeze=$(cat "/sys/fs/cgroup$cg/cgroup.freeze" 2>/dev/null) events: $(tr '\n' ' ' <"/sys/fs/cgroup$cg/cgroup.events" 2>/dev/null)"
+    # Only files that do not take the task's mm lock (a task stuck in the driver may hold
+    # it; reading cmdline, environ, maps or status then blocks): comm, wchan, stack.
     for t in /proc/"$pid"/task/*; do
-      echo "thread ${t##*/} $(awk '/^State/ {print $2, $3}' "$t/status" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null) tracer=$(awk '/^TracerPid/ {print $2}' "$t/status" 2>/dev/null)"
+      echo "thread ${t##*/} $(cat "$t/comm" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null)"
+      cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
     done
-    for c in $(pgrep -x criu); do
-      echo "== criu $c: $(tr '\0' ' ' <"/proc/$c/cmdline" | head -c 300)"
-      cat "/proc/$c/stack" 2>/dev/null | head -20
-      for t in /proc/"$c"/task/*; do echo "criu thread ${t##*/} wchan=$(cat "$t/wchan" 2>/dev/null)"; done
+    for c in /proc/[0-9]*; do
+      [ "$(cat "$c/comm" 2>/dev/null)" = criu ] || continue
+      echo "== criu ${c#/proc/}"
+      for t in "$c"/task/*; do
+        echo "criu thread ${t##*/} wchan=$(cat "$t/wchan" 2>/dev/null)"
+        cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
+      done
     done
-    echo "== driver state"; timeout 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
+    echo "== driver state"; timeout -k 1 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
   } >"$f" 2>&1
   log "e ($label): $(head -3 "$f" | tr '\n' ' ')"
 }

@@ -9,7 +9,8 @@
 # 2. host-level, side by side in one process per size (hook_bench.py): the driver alone vs
 #    the hook's freeze -> copy-out -> release -> driver checkpoint of the rest -> restore ->
 #    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
-#    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB)
+#    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB,
+#    each optionally :PHASES, e.g. "1+63:driver,fast,incr")
 # 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
 #    injects the hook and checkpoints/restores through it; hashes checked against references
 # Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
@@ -50,7 +51,11 @@ dd_r=$(dd if="$DISK/dd.bin" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1)
 rm -f "$DISK/dd.bin"
 echo "disk $DISK ($(df -h --output=source,fstype "$DISK" | tail -1 | tr -s ' ')): write 4 GiB O_DIRECT: $dd_w; read: $dd_r" | tee -a "$SUM"
 
-for size in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
+for spec in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
+  # SIZE[:PHASES], e.g. 1+63:driver,fast,incr (no disk copy of 64 GiB)
+  size=${spec%%:*}
+  phases=driver,fast,disk,incr
+  [ "$spec" != "$size" ] && phases=${spec#*:}
   g=${size%+*}
   st=${size#*+}
   [ "$(elapsed)" -lt $((BUDGET - 150)) ] || { log "budget: skipping size $size"; echo "size $size: SKIPPED (budget)" >>"$SUM"; continue; }
@@ -62,7 +67,7 @@ for size in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
   log "hook_bench $size"
   timeout 400 python3 "$REPO/tests/gpu/hook_bench.py" --workload "$TOOLS/workload" --drive "$TOOLS/drive" \
     --hook "$TOOLS/libgpucr_hook.so" --gib "$g" --static-gib "$st" --ref "$ref" \
-    --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" --label "$size"
+    --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" --label "$size" --phases "$phases"
   echo "size $size: hook_bench exit $?" | tee -a "$SUM"
 done
 grep -h '"phase"' "$RES" >>"$SUM" 2>/dev/null
