@@ -4,6 +4,7 @@
 #
 #   bash tests/gpu/h200-hook.sh
 #
+# 0. overhead: launches, small copies and allocations with and without the hook (overhead.cu)
 # 1. ceilings: pinned/pageable cudaMemcpy (pinned_ceiling.cu) and the disk's O_DIRECT write
 #    and read speed (dd), measured in this run
 # 2. host-level, side by side in one process per size (hook_bench.py): the driver alone vs
@@ -42,6 +43,15 @@ nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/workload" "$REPO/tests/g
 nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/pinned_ceiling" "$REPO/tests/gpu/pinned_ceiling.cu" || exit 1
 gcc -O2 -Wall -o "$TOOLS/drive" "$REPO/tests/gpu/drive.c" -ldl || exit 1
 echo "hook: $(sha256sum "$TOOLS/libgpucr_hook.so" | cut -c1-12) $(nm -D --defined-only "$TOOLS/libgpucr_hook.so" | grep -c ' T cu') cu* exports" | tee -a "$SUM"
+
+log "overhead: the same program without / with the hook, interleaved 3 times"
+nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/overhead" "$REPO/tests/gpu/overhead.cu" || exit 1
+mkdir -p "$TMPFS/ovh-sock"
+for i in 1 2 3; do
+  echo "no-hook $(timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+  echo "hook    $(LD_PRELOAD=$TOOLS/libgpucr_hook.so GPUCR_HOOK_SOCKET_DIR=$TMPFS/ovh-sock timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+done
+rm -rf "$TMPFS/ovh-sock"
 
 log "ceilings"
 timeout 120 "$TOOLS/pinned_ceiling" 4 | tee -a "$SUM"
