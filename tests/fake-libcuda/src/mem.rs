@@ -497,6 +497,46 @@ pub extern "C" fn cuMemFreeHost(p: *mut c_void) -> CuResult {
     log(format_args!("cuMemFreeHost {p:p}"), rc)
 }
 
+/// Host ranges registered with `cuMemHostRegister_v2` (start → length).
+static REGISTERED: Mutex<BTreeMap<usize, usize>> = Mutex::new(BTreeMap::new());
+const HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
+const HOST_MEMORY_NOT_REGISTERED: CuResult = 713;
+
+/// Pins nothing (all host memory is "device" memory here); records the range so that a
+/// test sees every registration undone.
+#[no_mangle]
+pub extern "C" fn cuMemHostRegister_v2(p: *mut c_void, size: usize, _flags: c_uint) -> CuResult {
+    need_ctx!("cuMemHostRegister_v2");
+    let mut registered = REGISTERED.lock().unwrap_or_else(|e| e.into_inner());
+    let rc = if p.is_null() || size == 0 {
+        INVALID_VALUE
+    } else {
+        match registered.entry(p as usize) {
+            std::collections::btree_map::Entry::Occupied(_) => HOST_MEMORY_ALREADY_REGISTERED,
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(size);
+                SUCCESS
+            }
+        }
+    };
+    log(format_args!("cuMemHostRegister_v2 {p:p} {size}"), rc)
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CuResult {
+    need_ctx!("cuMemHostUnregister");
+    let removed = REGISTERED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(p as usize));
+    let rc = if removed.is_some() {
+        SUCCESS
+    } else {
+        HOST_MEMORY_NOT_REGISTERED
+    };
+    log(format_args!("cuMemHostUnregister {p:p}"), rc)
+}
+
 /// # Safety
 /// `stream` valid for a write.
 #[no_mangle]
@@ -719,6 +759,8 @@ fn export(name: &str) -> Option<*mut c_void> {
         cuIpcGetMemHandle,
         cuMemHostAlloc,
         cuMemFreeHost,
+        cuMemHostRegister_v2,
+        cuMemHostUnregister,
         cuStreamCreate,
         cuStreamSynchronize,
         cuStreamDestroy_v2,
