@@ -245,6 +245,28 @@ impl BusyboxImage {
     }
 }
 
+/// Adds the files under `dir` to `tar` below `prefix`, subdirectories (the hook's
+/// `gpu-hook/<pid>/` images) included, in name order.
+fn add_dir(tar: &mut TarWriter, dir: &Path, prefix: &str) -> Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)
+        .map_err(HarnessError::io("read checkpoint dir", dir))?
+        .collect::<std::io::Result<_>>()
+        .map_err(HarnessError::io("read checkpoint dir", dir))?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let path = entry.path();
+        let name = format!("{prefix}{}", entry.file_name().to_string_lossy());
+        if path.is_dir() {
+            tar.dir(&name)?;
+            add_dir(tar, &path, &format!("{name}/"))?;
+        } else if path.is_file() {
+            let bytes = std::fs::read(&path).map_err(HarnessError::io("read", &path))?;
+            tar.file(&name, &bytes)?;
+        }
+    }
+    Ok(())
+}
+
 /// A file of an extra image layer: its path in the rootfs (no leading `/`), bytes, mode.
 #[derive(Debug, Clone)]
 pub struct LayerFile {
@@ -342,18 +364,7 @@ impl CheckpointImage {
     /// Tars a CRIU image directory the way containerd stores it (flat, relative names).
     pub fn tar_dump_dir(dir: &Path) -> Result<Vec<u8>> {
         let mut tar = TarWriter::new();
-        let mut entries: Vec<_> = std::fs::read_dir(dir)
-            .map_err(HarnessError::io("read checkpoint dir", dir))?
-            .collect::<std::io::Result<_>>()
-            .map_err(HarnessError::io("read checkpoint dir", dir))?;
-        entries.sort_by_key(|e| e.file_name());
-        for entry in entries {
-            let path = entry.path();
-            if path.is_file() {
-                let bytes = std::fs::read(&path).map_err(HarnessError::io("read", &path))?;
-                tar.file(&entry.file_name().to_string_lossy(), &bytes)?;
-            }
-        }
+        add_dir(&mut tar, dir, "")?;
         tar.finish()
     }
 

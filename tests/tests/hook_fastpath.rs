@@ -512,8 +512,8 @@ fn damaged_hook_image_is_refused_before_anything_is_created() {
         .expect_err("restore of a damaged hook image")
         .to_string();
     assert!(
-        err.contains("damaged") && err.contains("gpu-hook"),
-        "the refusal names the damage: {err}"
+        err.contains("GPU state image of pid 1 is damaged") && err.contains("gpu-hook/1"),
+        "the hook's image check refuses, naming the damage: {err}"
     );
     // Nothing was created: no task, no shim, no runc container.
     assert_eq!(g.ctd.task_status(&id).unwrap(), None, "no task {id}");
