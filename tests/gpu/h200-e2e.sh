@@ -13,6 +13,7 @@
 #   b-restore   then a restore of that checkpoint (repackaged as ctr 1.7 needs)
 #   c         gpucr: `ctr c checkpoint --task --rw`, kill, rm, `ctr c restore --live --rw`
 #   d         gpucr with a PyTorch workload (host's python and torch bind-mounted read-only)
+#   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
 #   e         stock runc shim + CRIU with only gpucr's CRIU plugin (CRIU_LIBS_DIR)
 #   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise
 # Every workload line "step S hash H" is compared with an uninterrupted reference run of the
@@ -373,6 +374,7 @@ build_images() {
   echo 'root:x:0:' >"$r/etc/group"
   cp /etc/ld.so.cache "$r/etc/ld.so.cache" 2>/dev/null || true
   cp "$REPO/tests/gpu/torch_workload.py" "$r/torch_workload.py"
+  cp "$REPO/tests/gpu/torch_train.py" "$r/torch_train.py"
   local binds=(/usr) d p top
   for d in bin sbin lib lib64 lib32 libx32; do
     if [ -L "/$d" ]; then
@@ -424,6 +426,7 @@ ref_run() {
   case $kind in
     cuda) timeout 180 "$TOOLS/workload" "$gib" "$steps" 0 "$f" ;;
     torch) timeout 180 "$TORCH_PY" "$REPO/tests/gpu/torch_workload.py" "$gib" "$steps" 0 "$f" ;;
+    train) timeout 180 "$TORCH_PY" "$REPO/tests/gpu/torch_train.py" "$gib" "$steps" 0 "$f" ;;
     cpu) local i; for ((i = 0; i <= steps; i++)); do printf 'step %d hash %016x\n' "$i" "$i"; done >"$f" ;;
   esac
   cp "$f" "$LOGS/"
@@ -450,6 +453,11 @@ use_workload() {
       # The host's /usr first, then /usr/local/nvidia over it (mounts apply in order).
       WL_ARGS=("${TORCH_ARGS[@]}" "${GPU_ARGS[@]}" --env "LD_LIBRARY_PATH=/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
       WL_CMD=("$TORCH_PY" /torch_workload.py "$2" 0 "$WL_PAUSE" /tmp/steps) ;;
+    train)
+      WL_IMAGE=$TORCH_IMAGE
+      WL_START_T=180
+      WL_ARGS=("${TORCH_ARGS[@]}" "${GPU_ARGS[@]}" --env "LD_LIBRARY_PATH=/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+      WL_CMD=("$TORCH_PY" /torch_train.py "$2" 0 "$WL_PAUSE" /tmp/steps) ;;
     cpu)
       WL_IMAGE=$CPU_IMAGE
       WL_NOW=0
@@ -795,7 +803,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore c cdi e d gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore c cdi e d t gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -1020,6 +1028,26 @@ elif enough 90 d; then
   kill_rm torch
 else
   skip_all d
+fi
+
+# t: a PyTorch training loop (issue 4): the loss sequence after restore equals the
+# uninterrupted run's, bit for bit.
+if [ -z "${TORCH_ARGS[*]}" ]; then
+  result t SKIP 0 "python3 with torch not found on the host"
+elif ! want t; then
+  skip_all t
+elif enough 90 t; then
+  use_workload train 2
+  if ! ref_run train 2 600; then
+    result t FAIL 0 "the training reference run failed on the host"
+  elif start_workload train "$GPUCR_RT"; then
+    cr_cycle train gpucr t || true
+  else
+    result t FAIL 0 "the training container did not start (see logs/train.stdio)"
+  fi
+  kill_rm train
+else
+  skip_all t
 fi
 
 # f: the big runs, gpucr and stock side by side.
