@@ -86,7 +86,7 @@ left=$((BUDGET - $(elapsed)))
 if [ -n "${GPUCR_HOOK_E2E-c d}" ] && [ "$left" -gt 120 ]; then
   log "containers through gpucr with the hook: ${GPUCR_HOOK_E2E-c d} (${left}s left)"
   GPUCR_E2E_HOOK=1 GPUCR_E2E_ONLY="${GPUCR_HOOK_E2E-c d}" GPUCR_E2E_BUDGET_S=$((left - 40)) \
-    GPUCR_E2E_SKIP_STOCK=1 GPUCR_E2E_SKIP_BIG=1 OUT=$OUT bash "$REPO/tests/gpu/h200-e2e.sh" >"$OUT/e2e.log" 2>&1
+    OUT=$OUT bash "$REPO/tests/gpu/h200-e2e.sh" >"$OUT/e2e.log" 2>&1
   echo "h200-e2e.sh (hook) exit $?" | tee -a "$SUM"
   cat "$OUT/results.txt" >>"$SUM" 2>/dev/null
 fi
