@@ -914,6 +914,7 @@ e_diag() {
       done
     done
     echo "== driver state"; timeout -k 1 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
+    [ -n "${3:-}" ] && { echo "== ${3} (tail)"; tail -40 "$3" 2>/dev/null; }
   } >"$f" 2>&1
   log "e ($label): $(head -3 "$f" | tr '\n' ' ')"
 }
@@ -933,17 +934,17 @@ scenario_e_runc() {
   pid=$(task_pid "$id")
   before=$(laststep "$pid")
   # 1) leave-running: lock + checkpoint in PAUSE/CHECKPOINT_DEVICES, restore + unlock at exit.
-  timeout 75 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
+  timeout 45 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
     --leave-running "$id" >"$LOGS/e-ckpt1.txt" 2>&1 &
   local cpid=$! waited=0 rc
   while kill -0 "$cpid" 2>/dev/null; do
     sleep 1
     waited=$((waited + 1))
-    [ "$waited" = 20 ] && e_diag "$pid" at-20s
+    [ "$waited" = 15 ] && e_diag "$pid" at-15s "$w1/dump.log"
   done
   wait "$cpid"; rc=$?
   if [ "$rc" != 0 ]; then
-    e_diag "$pid" after-exit
+    e_diag "$pid" after-exit "$w1/dump.log"
     [ "$(cat "/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze" 2>/dev/null)" = 1 ] \
       && echo 0 >"/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze"
     cp "$w1/dump.log" "$LOGS/e-dump1.log" 2>/dev/null || true
