@@ -195,7 +195,8 @@ fn record_gpus() {
         );
         return;
     };
-    let inventory = gpu_state::inventory::Inventory::gather();
+    // procfs, not NVML: NVML starts threads, and a multi-threaded CRIU cannot setns.
+    let inventory = gpu_state::inventory::Inventory::gather_procfs();
     match crate::gpus::save(&dir, &inventory) {
         Ok(()) => criu::log(
             Level::Info,

@@ -157,7 +157,7 @@ fn restore_gpu_pairs() -> Result<Vec<gpu_state::GpuPair>, String> {
     let Some(record) = gpus::load(&dir)? else {
         return Ok(Vec::new());
     };
-    let current = gpu_state::inventory::Inventory::gather();
+    let current = gpu_state::inventory::Inventory::gather_procfs();
     let map = std::env::var(gpus::MAP_ENV).ok();
     let always = std::env::var(gpus::PAIRS_ENV).is_ok_and(|v| v == "always");
     let pairs = gpus::plan(&record.inventory, &current, map.as_deref(), always)?;

@@ -934,13 +934,13 @@ scenario_e_runc() {
   pid=$(task_pid "$id")
   before=$(laststep "$pid")
   # 1) leave-running: lock + checkpoint in PAUSE/CHECKPOINT_DEVICES, restore + unlock at exit.
-  timeout 45 runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
+  timeout ${GPUCR_E2E_E_TIMEOUT_S:-45} runc --root "$root" checkpoint --image-path "$img1" --work-path "$w1" \
     --leave-running "$id" >"$LOGS/e-ckpt1.txt" 2>&1 &
   local cpid=$! waited=0 rc
   while kill -0 "$cpid" 2>/dev/null; do
     sleep 1
     waited=$((waited + 1))
-    [ "$waited" = 15 ] && e_diag "$pid" at-15s "$w1/dump.log"
+    [ "$waited" = 12 ] && e_diag "$pid" at-15s "$w1/dump.log"
   done
   wait "$cpid"; rc=$?
   if [ "$rc" != 0 ]; then
@@ -998,7 +998,7 @@ PY
 
 if ! want e; then
   skip_all e
-elif enough 60 e; then
+elif enough 40 e; then
   echo "$TOOLS/criu-plugin" >"$TOOLS/criu-libs-dir"
   use_workload cuda "$SMALL"
   if start_workload plugin "$RUNC_RT"; then

@@ -52,6 +52,16 @@ pub struct Inventory {
 
 impl Inventory {
     /// NVML if it answers, else procfs, else an empty inventory.
+    /// `/proc/driver/nvidia` only (or [`PROCFS_ROOT_ENV`]): no library is loaded and no
+    /// thread started, which a process that must stay single-threaded (CRIU, which
+    /// `setns`es into mount namespaces) needs. No memory figures.
+    pub fn gather_procfs() -> Inventory {
+        let root = std::env::var_os(PROCFS_ROOT_ENV)
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| PROCFS_ROOT.into());
+        procfs::read(Path::new(&root)).unwrap_or_default()
+    }
+
     /// With [`PROCFS_ROOT_ENV`] set, only that directory is read.
     pub fn gather() -> Inventory {
         if let Some(root) = std::env::var_os(PROCFS_ROOT_ENV).filter(|r| !r.is_empty()) {
