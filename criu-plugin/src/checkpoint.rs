@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use gpu_state::{CheckpointApi, CudaDriver, ProcessState};
+use gpu_state::process::discovery::is_cuda_candidate;
+use gpu_state::{CheckpointApi, ProcessState};
+
+use crate::isolated::IsolatedDriver;
 
 use crate::criu::{self, Level};
 use crate::state::{self, Tracked};
@@ -29,6 +32,10 @@ pub fn pause_devices(pid: i32) -> i32 {
         return ENOTSUP;
     };
     let upid = pid as u32;
+    // Most tasks map nothing of NVIDIA's: no driver call (each is a child process) for them.
+    if !is_cuda_candidate(upid) {
+        return ENOTSUP;
+    }
     let Ok(tid) = driver.get_restore_thread_id(upid) else {
         criu::log(Level::Debug, &format!("pid {pid} is not a CUDA process"));
         return ENOTSUP;
@@ -89,7 +96,7 @@ pub fn checkpoint_devices(pid: i32) -> i32 {
         return ENOTSUP;
     };
     let Some(t) = plugin.tracked.iter_mut().find(|t| t.pid == pid) else {
-        if driver.get_restore_thread_id(pid as u32).is_ok() {
+        if is_cuda_candidate(pid as u32) && driver.get_restore_thread_id(pid as u32).is_ok() {
             // A CUDA process we did not pause (it initialised CUDA after seize).
             criu::log(
                 Level::Error,
@@ -167,7 +174,7 @@ pub fn finish_dump(ret: i32) {
     }
 }
 
-fn back_to_initial(driver: &CudaDriver, t: &Tracked) -> Result<(), String> {
+fn back_to_initial(driver: &IsolatedDriver, t: &Tracked) -> Result<(), String> {
     let pid = t.pid as u32;
     let restore = t.checkpointed && t.initial != ProcessState::Checkpointed;
     let unlock = t.initial == ProcessState::Running;

@@ -4,6 +4,7 @@ mod checkpoint;
 mod criu;
 pub mod final_state;
 pub mod gpus;
+pub mod isolated;
 mod ptrace;
 mod restore;
 mod state;
@@ -11,7 +12,7 @@ mod state;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use gpu_state::CudaDriver;
+use isolated::IsolatedDriver;
 
 use criu::Level;
 
@@ -68,10 +69,19 @@ pub static CR_PLUGIN_DESC: CrPluginDesc = CrPluginDesc {
 
 /// Never unwind into CRIU.
 fn guarded(what: &str, f: impl FnOnce() -> c_int) -> c_int {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
+    let rc = catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| {
         criu::log(Level::Error, &format!("{what} panicked"));
         -1
-    })
+    });
+    // CRIU must stay single-threaded (setns into mount namespaces); say who broke it.
+    let threads = isolated::thread_count();
+    if threads > 1 {
+        criu::log(
+            Level::Warn,
+            &format!("CRIU has {threads} threads after {what}; setns may fail"),
+        );
+    }
+    rc
 }
 
 unsafe extern "C" fn plugin_init(stage: c_int) -> c_int {
@@ -97,7 +107,7 @@ fn init(stage: c_int) -> c_int {
         criu::log(Level::Info, "the image holds no CUDA state: inactive");
         return 0;
     }
-    let driver = match CudaDriver::probe() {
+    let driver = match IsolatedDriver::probe() {
         Ok(Some(d)) => d,
         Ok(None) if needed == Some(true) => {
             criu::log(

@@ -16,6 +16,9 @@ pub fn resume_devices_late(pid: i32) -> i32 {
         return ENOTSUP;
     };
     let upid = pid as u32;
+    if !gpu_state::process::discovery::is_cuda_candidate(upid) {
+        return ENOTSUP;
+    }
     let Ok(tid) = driver.get_restore_thread_id(upid) else {
         return ENOTSUP;
     };

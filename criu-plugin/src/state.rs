@@ -2,7 +2,9 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use gpu_state::{CudaDriver, GpuPair, ProcessState};
+use gpu_state::{GpuPair, ProcessState};
+
+use crate::isolated::IsolatedDriver;
 
 /// A CUDA process we paused during this dump.
 #[derive(Debug, Clone, Copy)]
@@ -17,7 +19,7 @@ pub struct Tracked {
 #[derive(Default)]
 pub struct Plugin {
     /// `None`: no CUDA driver here, or the plugin is off for this stage.
-    pub driver: Option<CudaDriver>,
+    pub driver: Option<IsolatedDriver>,
     pub inventory_added: bool,
     pub tracked: Vec<Tracked>,
     /// Restore: which recorded GPU becomes which here (empty: the same GPUs).

@@ -110,6 +110,8 @@ impl Run {
                 "GPUCR_FAKE_CUDA_LOG".into(),
                 self.dir.path().join("fake.log"),
             ),
+            // The shell maps no libcuda; the fake's script says which pids are CUDA.
+            ("GPUCR_GPU_ALL_PROCESSES".into(), "1".into()),
         ];
     }
 

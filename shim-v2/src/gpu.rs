@@ -28,7 +28,7 @@ pub const QUIESCE_ANNOTATION: &str = "io.gpucr.gpu-quiesce";
 /// Annotation: the driver lock timeout in milliseconds (default 10000).
 pub const LOCK_TIMEOUT_ANNOTATION: &str = "io.gpucr.gpu-lock-timeout-ms";
 /// Environment (of the shim): `1` makes every process of a container a GPU candidate.
-pub const ALL_PROCESSES_ENV: &str = "GPUCR_GPU_ALL_PROCESSES";
+pub use gpu_state::process::discovery::ALL_PROCESSES_ENV;
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Who quiesces the GPU for this container.
@@ -102,23 +102,10 @@ pub fn criu_cuda_plugin_installed() -> bool {
 /// driver checkpointed holds no `/dev/nvidia*` mapping any more, only libcuda's file mappings:
 /// that is what a restored CUDA process looks like until its device memory is back.
 pub fn nvidia_pids(pids: &[i32]) -> Vec<u32> {
-    // Tests on CPU machines point GPUCR_LIBCUDA at a fake driver and ask every process.
-    if std::env::var_os(ALL_PROCESSES_ENV).is_some_and(|v| v == "1") {
-        return pids.iter().map(|p| *p as u32).collect();
-    }
     pids.iter()
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/maps"))
-                .map(|m| maps_cuda(&m))
-                .unwrap_or(false)
-        })
         .map(|p| *p as u32)
+        .filter(|pid| gpu_state::process::discovery::is_cuda_candidate(*pid))
         .collect()
-}
-
-fn maps_cuda(maps: &str) -> bool {
-    maps.lines()
-        .any(|l| l.contains("/dev/nvidia") || l.contains("/libcuda.so"))
 }
 
 fn driver() -> Result<Arc<dyn CheckpointApi>> {
@@ -276,18 +263,6 @@ mod tests {
         assert_eq!(c.lock_timeout, Duration::from_millis(2500));
         a.insert(QUIESCE_ANNOTATION.to_string(), "both".to_string());
         assert!(GpuConfig::from_annotations(&a).is_err());
-    }
-
-    #[test]
-    fn a_checkpointed_cuda_process_is_still_a_candidate() {
-        let live = "200600000-200800000 rw-s 00000000 00:05 1 /dev/nvidiactl\n";
-        let checkpointed =
-            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/local/nvidia/lib64/libcuda.so.580.159.04\n";
-        assert!(maps_cuda(live));
-        assert!(maps_cuda(checkpointed));
-        assert!(!maps_cuda(
-            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/lib/libc.so.6\n"
-        ));
     }
 
     #[test]

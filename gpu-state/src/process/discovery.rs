@@ -159,3 +159,40 @@ mod tests {
         }
     }
 }
+
+/// Environment: `1` makes every process a CUDA candidate (CPU tests, whose fake libcuda
+/// decides which pids are CUDA processes).
+pub const ALL_PROCESSES_ENV: &str = "GPUCR_GPU_ALL_PROCESSES";
+
+/// Whether `pid` may be a CUDA process: it maps an NVIDIA device node or libcuda (a
+/// driver-checkpointed process keeps only libcuda's mappings). A cheap filter before
+/// asking the driver, which only answers for CUDA processes anyway.
+pub fn is_cuda_candidate(pid: u32) -> bool {
+    if std::env::var_os(ALL_PROCESSES_ENV).is_some_and(|v| v == "1") {
+        return true;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|m| maps_cuda(&m))
+}
+
+/// Whether a `/proc/<pid>/maps` text shows NVIDIA device nodes or libcuda.
+pub fn maps_cuda(maps: &str) -> bool {
+    maps.lines()
+        .any(|l| l.contains("/dev/nvidia") || l.contains("/libcuda.so"))
+}
+
+#[cfg(test)]
+mod candidate_tests {
+    use super::*;
+
+    #[test]
+    fn cuda_mappings_make_a_candidate() {
+        let live = "200600000-200800000 rw-s 00000000 00:05 1 /dev/nvidiactl\n";
+        let checkpointed =
+            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/local/nvidia/lib64/libcuda.so.580.159.04\n";
+        assert!(maps_cuda(live));
+        assert!(maps_cuda(checkpointed));
+        assert!(!maps_cuda(
+            "7f00-7f10 r-xp 00000000 fd:01 42 /usr/lib/libc.so.6\n"
+        ));
+    }
+}
