@@ -201,6 +201,7 @@ impl Container {
                         pid_file: cfg.bundle.join("init.pid"),
                         console_socket: None,
                         no_pivot: cfg.opts.no_pivot_root,
+                        env: Vec::new(),
                     },
                     std::mem::take(&mut gpu_pairs),
                     gpu_processes,
@@ -295,6 +296,11 @@ impl Container {
             PendingIo::prepare(&self.stdio, self.io_owner(), &self.runc.spawner)?;
         let mut r = r.clone();
         r.console_socket = pending.console_socket().map(Path::to_path_buf);
+        if self.gpu.quiescer != gpu::Quiescer::Shim && !gpu_pairs.is_empty() {
+            // A CUDA CRIU plugin restores the GPU state inside `runc restore`: it gets the
+            // pairs this host's plan made (gpucr's plugin reads GPUCR_GPU_MAP).
+            r.env.extend(gpu::plugin_pair_env(&gpu_pairs));
+        }
         if let Some(w) = &r.checkpoint.work_path {
             std::fs::create_dir_all(w).ctx(|| format!("creating {}", w.display()))?;
         }

@@ -225,6 +225,20 @@ pub fn check_restore(record: &GpuCheckpointRecord) -> Result<()> {
     check_compatibility(recorded, &current, need).map_err(|e| Error::Gpu(e.to_string()))
 }
 
+/// The environment that hands GPU pairs to gpucr's CRIU plugin (`GPUCR_GPU_MAP`, and
+/// `GPUCR_GPU_PAIRS=always` so identical pairs reach the driver as the plan asked).
+pub fn plugin_pair_env(pairs: &[GpuPair]) -> Vec<(String, String)> {
+    let map = pairs
+        .iter()
+        .map(|p| format!("{}={}", p.old, p.new))
+        .collect::<Vec<_>>()
+        .join(",");
+    vec![
+        ("GPUCR_GPU_MAP".into(), map),
+        ("GPUCR_GPU_PAIRS".into(), "always".into()),
+    ]
+}
+
 /// After `runc restore`: restore and unlock every CUDA process among `pids`, onto the GPUs
 /// `pairs` name when the container moved (empty: the same GPUs).
 pub async fn resume_restored(pids: Vec<i32>, pairs: Vec<GpuPair>) -> Result<usize> {
@@ -263,6 +277,19 @@ mod tests {
         assert_eq!(c.lock_timeout, Duration::from_millis(2500));
         a.insert(QUIESCE_ANNOTATION.to_string(), "both".to_string());
         assert!(GpuConfig::from_annotations(&a).is_err());
+    }
+
+    #[test]
+    fn pairs_reach_the_plugin_as_a_map() {
+        use gpu_state::GpuUuid;
+        let a = GpuUuid::parse("GPU-aaaaaaaa-1111-2222-3333-444444444444").unwrap();
+        let b = GpuUuid::parse("GPU-bbbbbbbb-1111-2222-3333-444444444444").unwrap();
+        let env = plugin_pair_env(&[GpuPair { old: a, new: b }]);
+        assert_eq!(env[0].0, "GPUCR_GPU_MAP");
+        assert_eq!(
+            env[0].1,
+            "GPU-aaaaaaaa-1111-2222-3333-444444444444=GPU-bbbbbbbb-1111-2222-3333-444444444444"
+        );
     }
 
     #[test]

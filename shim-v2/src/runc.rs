@@ -107,6 +107,8 @@ pub struct RestoreOpts {
     pub pid_file: PathBuf,
     pub console_socket: Option<PathBuf>,
     pub no_pivot: bool,
+    /// Environment for runc, and so for CRIU and its plugins (GPU pairs for a CUDA plugin).
+    pub env: Vec<(String, String)>,
 }
 
 impl RestoreOpts {
@@ -209,10 +211,12 @@ impl Runc {
         &self,
         op: &'static str,
         args: &[String],
+        env: &[(String, String)],
         stdio: ChildStdio,
     ) -> Result<()> {
         let mut cmd = self.command();
         cmd.args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(stdio.stdin)
             .stdout(stdio.stdout)
             .stderr(stdio.stderr);
@@ -285,7 +289,7 @@ impl Runc {
             a.push("--no-pivot".into());
         }
         a.push(id.into());
-        self.run_with_stdio("runc create", &a, stdio).await
+        self.run_with_stdio("runc create", &a, &[], stdio).await
     }
 
     pub async fn start(&self, id: &str) -> Result<()> {
@@ -308,7 +312,7 @@ impl Runc {
             a.extend(["--console-socket".into(), path_arg(s)]);
         }
         a.push(id.into());
-        self.run_with_stdio("runc exec", &a, stdio).await
+        self.run_with_stdio("runc exec", &a, &[], stdio).await
     }
 
     pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
@@ -414,7 +418,7 @@ impl Runc {
         let mut a: Vec<String> = vec!["restore".into()];
         a.extend(o.args());
         a.push(id.into());
-        self.run_with_stdio("runc restore", &a, stdio).await
+        self.run_with_stdio("runc restore", &a, &o.env, stdio).await
     }
 }
 
@@ -455,6 +459,7 @@ mod tests {
             pid_file: "/b/init.pid".into(),
             console_socket: Some("/tmp/c.sock".into()),
             no_pivot: true,
+            env: Vec::new(),
         };
         assert_eq!(
             o.args().join(" "),
