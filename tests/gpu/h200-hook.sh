@@ -12,6 +12,7 @@
 #    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
 #    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB,
 #    each optionally :PHASES, e.g. "1+63:driver,fast,incr")
+#    GPUCR_HOOK_SWEEP: hook settings side by side at GPUCR_HOOK_SWEEP_SIZE (fast path only)
 # 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
 #    injects the hook and checkpoints/restores through it; hashes checked against references
 # Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
@@ -79,6 +80,25 @@ for spec in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
     --hook "$TOOLS/libgpucr_hook.so" --gib "$g" --static-gib "$st" --ref "$ref" \
     --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" --label "$size" --phases "$phases"
   echo "size $size: hook_bench exit $?" | tee -a "$SUM"
+done
+# Settings side by side at one size (fast path only): GPUCR_HOOK_SWEEP="LABEL:VAR=V,VAR=V ...",
+# e.g. "direct:GPUCR_HOOK_DIRECT=1 s8:GPUCR_HOOK_STREAMS=8 c64:GPUCR_HOOK_CHUNK_MIB=64".
+sweep_size=${GPUCR_HOOK_SWEEP_SIZE:-1+15}
+for entry in ${GPUCR_HOOK_SWEEP:-}; do
+  [ "$(elapsed)" -lt $((BUDGET - 120)) ] || { echo "sweep $entry: SKIPPED (budget)" >>"$SUM"; continue; }
+  label=${entry%%:*}
+  vars=${entry#*:}
+  g=${sweep_size%+*}
+  st=${sweep_size#*+}
+  ref=$TMPFS/ref-$g.txt
+  [ -s "$ref" ] || timeout 200 "$TOOLS/workload" "$g" 1500 0 "$ref" >/dev/null 2>&1
+  log "sweep $label ($vars) at $sweep_size"
+  # shellcheck disable=SC2046 # one VAR=V word per setting
+  env $(echo "$vars" | tr ',' ' ') timeout 300 python3 "$REPO/tests/gpu/hook_bench.py" \
+    --workload "$TOOLS/workload" --drive "$TOOLS/drive" --hook "$TOOLS/libgpucr_hook.so" \
+    --gib "$g" --static-gib "$st" --ref "$ref" --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" \
+    --label "$sweep_size-$label" --phases fast
+  echo "sweep $label ($vars): hook_bench exit $?" | tee -a "$SUM"
 done
 grep -h '"phase"' "$RES" >>"$SUM" 2>/dev/null
 
