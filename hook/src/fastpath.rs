@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use gpu_state::image::{
-    AllocId, AllocationTags, Compression, ImageError, ImageOptions, ImageReader, ImageWriter,
-    StagingPin, StagingPool,
+    AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
+    ImageReader, ImageWriter, NoDirect, StagedChunk, StagingPin, StagingPool,
 };
 use thiserror::Error;
 
@@ -86,6 +86,11 @@ pub struct FastPathOptions {
     /// Pin the staging pools for DMA (`cuMemHostRegister`); off, copies go through
     /// pageable memory (for comparison).
     pub pin: bool,
+    /// Copy-out DMAs chunks straight into the image's data file when the image is on
+    /// tmpfs (mapped shared, registered in windows); see "Copy path" in the README.
+    pub direct: bool,
+    /// Bytes of the direct data file registered at one time.
+    pub direct_window: usize,
 }
 
 /// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
@@ -95,12 +100,16 @@ pub const ENV_STAGING_MIB: &str = "GPUCR_HOOK_STAGING_MIB";
 pub const ENV_THREADS: &str = "GPUCR_HOOK_THREADS";
 pub const ENV_STREAMS: &str = "GPUCR_HOOK_STREAMS";
 pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
+pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
+pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
 
 /// Hook defaults: large chunks (fewer calls per GB), no compression (model weights
 /// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
 const DEFAULT_CHUNK_MIB: usize = 32;
 const DEFAULT_STAGING_MIB: usize = 512;
 const DEFAULT_STREAMS: usize = 4;
+/// 2 GiB registered at a time: bounded pinning, few register calls per image.
+const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
 
 /// A bad hook copy setting in the environment.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -116,7 +125,9 @@ impl FastPathOptions {
     /// `GPUCR_HOOK_COMPRESSION` = `none` (default) | `zstd` | `zstd:<level>`,
     /// `GPUCR_HOOK_CHUNK_MIB` (32), `GPUCR_HOOK_STAGING_MIB` (512, per direction),
     /// `GPUCR_HOOK_THREADS` (CPUs, at most 16), `GPUCR_HOOK_STREAMS` (4),
-    /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory).
+    /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory),
+    /// `GPUCR_HOOK_DIRECT` (`0`; `1`: direct copy-out into tmpfs images),
+    /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -154,17 +165,19 @@ impl FastPathOptions {
         let staging = number(ENV_STAGING_MIB, DEFAULT_STAGING_MIB)? << 20;
         let threads = number(ENV_THREADS, cpus.clamp(1, 16))?.min(256);
         let streams = number(ENV_STREAMS, DEFAULT_STREAMS)?.min(64);
-        let pin = match get(ENV_PIN).as_deref().map(str::trim) {
-            None | Some("1") => true,
-            Some("0") => false,
-            Some(v) => {
-                return Err(OptionsError {
-                    var: ENV_PIN,
-                    value: v.to_string(),
-                    reason: "expected 0 or 1",
-                })
-            }
+        let flag = |var: &'static str, default: bool| match get(var).as_deref().map(str::trim) {
+            None => Ok(default),
+            Some("1") => Ok(true),
+            Some("0") => Ok(false),
+            Some(v) => Err(OptionsError {
+                var,
+                value: v.to_string(),
+                reason: "expected 0 or 1",
+            }),
         };
+        let pin = flag(ENV_PIN, true)?;
+        let direct = flag(ENV_DIRECT, false)?;
+        let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         Ok(FastPathOptions {
             image: ImageOptions {
                 chunk_size,
@@ -179,6 +192,8 @@ impl FastPathOptions {
             copy_in_staging: staging,
             read_threads: threads,
             pin,
+            direct,
+            direct_window,
         })
     }
 
@@ -291,6 +306,88 @@ impl<D: VmmDriver, T> Drop for InFlight<'_, D, T> {
     }
 }
 
+/// A chunk whose copy-out is in flight: into a staging buffer or straight into the
+/// direct data file.
+enum Pending {
+    Staged(StagedChunk),
+    Direct(DirectChunk),
+}
+
+impl Pending {
+    fn target(&mut self) -> (*mut u8, usize) {
+        match self {
+            Pending::Staged(c) => (c.as_mut_ptr(), c.len()),
+            Pending::Direct(c) => (c.as_mut_ptr(), c.len()),
+        }
+    }
+
+    fn commit(self, writer: &mut ImageWriter) -> Result<(), ImageError> {
+        match self {
+            Pending::Staged(c) => writer.commit(c),
+            Pending::Direct(c) => writer.commit_direct(c),
+        }
+    }
+}
+
+/// The registered part of the direct data file: one window of at most `size` bytes,
+/// moved forward as the copy goes (the caller drains its copies first). Dropping it
+/// unregisters the window.
+struct Window<'d, D: VmmDriver> {
+    driver: &'d D,
+    region: DirectRegion,
+    size: usize,
+    /// `[start, end)` registered now.
+    current: Option<(usize, usize)>,
+    /// Windows registered so far.
+    registered: usize,
+}
+
+impl<'d, D: VmmDriver> Window<'d, D> {
+    fn new(driver: &'d D, region: DirectRegion, size: usize) -> Self {
+        Window {
+            driver,
+            region,
+            size: size.max(1),
+            current: None,
+            registered: 0,
+        }
+    }
+
+    fn covers(&self, at: usize, len: usize) -> bool {
+        self.current
+            .is_some_and(|(start, end)| at >= start && at + len <= end)
+    }
+
+    /// Unregisters the current window and registers the one starting at `at` (page
+    /// aligned), at least `len` bytes long.
+    fn advance(&mut self, at: usize, len: usize) -> Result<(), DriverError> {
+        self.release();
+        let end = at.saturating_add(self.size.max(len)).min(self.region.len);
+        // SAFETY: `at` lies inside the mapping.
+        let ptr = unsafe { self.region.base.add(at) };
+        self.driver.register_host(ptr, end - at)?;
+        self.current = Some((at, end));
+        self.registered += 1;
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        if let Some((start, _)) = self.current.take() {
+            // SAFETY: only the address of the window registered by `advance`.
+            let ptr = unsafe { self.region.base.add(start) };
+            if let Err(e) = self.driver.unregister_host(ptr) {
+                tracing::warn!(error = %e, "cannot unregister a direct data file window");
+            }
+        }
+    }
+}
+
+impl<D: VmmDriver> Drop for Window<'_, D> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// The fast path over one process's allocations and gate.
 pub struct FastPath<D> {
     allocator: Arc<Allocator<D>>,
@@ -331,6 +428,23 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         self.opts.pin.then(|| Arc::new(pin) as Arc<dyn StagingPin>)
     }
 
+    /// The mapped direct data file when direct copy-out is asked for and possible.
+    fn direct_region(
+        &self,
+        writer: &mut ImageWriter,
+    ) -> Result<Option<DirectRegion>, FastPathError> {
+        if !self.opts.direct {
+            return Ok(None);
+        }
+        if let Some(why) = writer.direct_refusal() {
+            if why != NoDirect::Empty {
+                tracing::info!(reason = %why, "direct copy-out not used");
+            }
+            return Ok(None);
+        }
+        Ok(Some(writer.start_direct()?))
+    }
+
     fn tags(&self) -> AllocationTags {
         AllocationTags {
             pid: self.opts.pid,
@@ -367,39 +481,69 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let opts = self.opts.image;
         let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
         let staged_at = start.elapsed().as_secs_f64();
-        // Declared after the writer: dropped first, so every copy is waited for before
-        // the staging buffers can go.
-        let mut flight = InFlight::new(self.driver(), self.opts.streams.min(opts.max_in_flight));
+        let ids = allocs
+            .iter()
+            .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let region = self.direct_region(&mut writer)?;
+        // Declared after the writer: unregistered before the direct file is unmapped.
+        let mut window = region.map(|r| Window::new(self.driver(), r, self.opts.direct_window));
+        // Declared after the window and the writer: dropped first, so every copy is
+        // waited for before a buffer or window can go.
+        let mut flight: InFlight<D, Pending> =
+            InFlight::new(self.driver(), self.opts.streams.min(opts.max_in_flight));
         let mut bytes = 0;
-        for alloc in &allocs {
-            let id = writer.begin_allocation(alloc.va, alloc.size, self.tags())?;
+        for (alloc, id) in allocs.iter().zip(&ids) {
             for offset in (0..alloc.size).step_by(opts.chunk_size) {
                 // Only stage when a buffer can be had without waiting on our own copies.
                 if flight.is_full() {
                     if let Some(done) = flight.complete_oldest()? {
-                        writer.commit(done)?;
+                        done.commit(&mut writer)?;
                     }
                 }
-                let staged = writer.stage(id, offset)?;
-                let done = flight.start(staged, |staged, stream| {
-                    let (dst, len) = (staged.as_mut_ptr(), staged.len());
-                    // SAFETY: the staged buffer stays in `flight` until its stream is
-                    // waited for.
+                let mut pending = None;
+                if let Some(win) = window.as_mut() {
+                    let chunk = writer.stage_direct(*id, offset)?;
+                    let (at, len) = (chunk.file_offset() as usize, chunk.len());
+                    if !win.covers(at, len) {
+                        // No copy may still target the window that goes.
+                        while let Some(done) = flight.complete_oldest()? {
+                            done.commit(&mut writer)?;
+                        }
+                        if let Err(e) = win.advance(at, len) {
+                            tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
+                            window = None;
+                        }
+                    }
+                    if window.is_some() {
+                        pending = Some(Pending::Direct(chunk));
+                    }
+                }
+                let pending = match pending {
+                    Some(p) => p,
+                    None => Pending::Staged(writer.stage(*id, offset)?),
+                };
+                let done = flight.start(pending, |pending, stream| {
+                    let (dst, len) = pending.target();
+                    // SAFETY: the staged buffer or direct range stays in `flight` (the
+                    // writer and the window outlive it) until its stream is waited for.
                     unsafe {
                         self.driver()
                             .copy_to_host_async(alloc.va + offset, dst, len, stream)
                     }
                 })?;
                 if let Some(done) = done {
-                    writer.commit(done)?;
+                    done.commit(&mut writer)?;
                 }
             }
             bytes += alloc.size;
         }
         while let Some(done) = flight.complete_oldest()? {
-            writer.commit(done)?;
+            done.commit(&mut writer)?;
         }
         drop(flight);
+        let windows = window.as_ref().map_or(0, |w| w.registered);
+        drop(window);
         let stats = writer.stats();
         writer.finish()?;
         *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
@@ -413,6 +557,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             ?report,
             dir = %image_dir.display(),
             pinned = stats.staging_pinned,
+            direct = region.is_some(),
+            direct_windows = windows,
             setup_seconds = staged_at,
             "device memory copied out"
         );

@@ -33,6 +33,8 @@ fn opts() -> FastPathOptions {
         copy_in_staging: 2 * CHUNK,
         read_threads: 2,
         pin: true,
+        direct: false,
+        direct_window: 1 << 30,
     }
 }
 
@@ -598,6 +600,11 @@ fn options_come_from_the_environment() {
     assert_eq!((o.image.chunk_size, o.image.max_in_flight), (64 << 20, 9));
     assert_eq!((o.image.threads, o.read_threads, o.streams), (12, 12, 8));
     assert!(!o.pin);
+    assert!(!d.direct && d.direct_window == 2048 << 20);
+    let on =
+        FastPathOptions::from_env_with(env(&[(ENV_DIRECT, "1"), (ENV_DIRECT_WINDOW_MIB, "512")]))
+            .unwrap();
+    assert!(on.direct && on.direct_window == 512 << 20);
     let z = FastPathOptions::from_env_with(env(&[(ENV_COMPRESSION, "zstd")])).unwrap();
     assert_eq!(z.image.compression, Compression::Zstd { level: 1 });
     for (var, bad) in [
@@ -607,9 +614,236 @@ fn options_come_from_the_environment() {
         (ENV_CHUNK_MIB, "2048"),
         (ENV_STREAMS, "x"),
         (ENV_PIN, "yes"),
+        (ENV_DIRECT, "on"),
+        (ENV_DIRECT_WINDOW_MIB, "0"),
     ] {
         let pairs: &'static [(&'static str, &'static str)] = Box::leak(Box::new([(var, bad)]));
         let err = FastPathOptions::from_env_with(env(pairs)).unwrap_err();
         assert_eq!(err.var, var);
+    }
+}
+
+/// A temporary directory on tmpfs, or `None` (with a message) where there is none.
+fn tmpfs_dir() -> Option<tempfile::TempDir> {
+    let shm = Path::new("/dev/shm");
+    if !gpu_state::image::is_tmpfs(shm) {
+        eprintln!("skipped: /dev/shm is not tmpfs");
+        return None;
+    }
+    Some(tempfile::tempdir_in(shm).unwrap())
+}
+
+/// Direct copy-out with windows of 3 chunks (so several are registered).
+fn direct() -> FastPathOptions {
+    FastPathOptions {
+        direct: true,
+        direct_window: 3 * CHUNK,
+        ..pipelined()
+    }
+}
+
+/// Every chunk record but the data-file places: (offset, len, crc32c, blake3, where),
+/// where is "zero", "parent", or "data" with the index of the first chunk of the image
+/// stored at the same place (so dedup shows).
+type FullRecord = (u64, u64, Option<u32>, Option<String>, String);
+
+fn full_records(dir: &Path) -> Vec<(u64, Vec<FullRecord>)> {
+    use gpu_state::image::Location;
+    let reader = ImageReader::open(dir).unwrap();
+    let mut first = std::collections::HashMap::new();
+    let mut n = 0;
+    reader
+        .allocations()
+        .iter()
+        .map(|a| {
+            let c = a
+                .chunks
+                .iter()
+                .map(|c| {
+                    n += 1;
+                    let at = match c.at {
+                        Location::Zero => "zero".to_string(),
+                        Location::Parent { .. } => "parent".to_string(),
+                        Location::Data { file, offset, .. } => {
+                            format!("data {}", first.entry((file, offset)).or_insert(n))
+                        }
+                    };
+                    (c.offset, c.len, c.crc32c, c.blake3.map(|h| h.to_hex()), at)
+                })
+                .collect();
+            (a.va, c)
+        })
+        .collect()
+}
+
+/// Allocated bytes and sizes of an image's data files.
+fn data_usage(dir: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".bin"))
+        .map(|p| std::fs::metadata(p).unwrap())
+        .fold((0, 0), |(b, l), m| (b + m.blocks() * 512, l + m.len()))
+}
+
+/// `populate` plus a copy of its largest allocation (duplicate chunks).
+fn populate_with_duplicates(s: &Setup) -> Vec<(u64, Vec<u8>)> {
+    let mut expected = populate(s);
+    let data = expected[5].1.clone();
+    let va = s.allocator.alloc(data.len() as u64).unwrap();
+    s.driver.copy_from_host(va, &data).unwrap();
+    expected.push((va, data));
+    expected
+}
+
+fn round_trip(s: &Setup, image: &Path, expected: &[(u64, Vec<u8>)]) {
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    s.fast.copy_in(image).unwrap();
+    s.fast.thaw().unwrap();
+    check(s, expected);
+}
+
+#[test]
+fn direct_copy_out_writes_the_staged_image_without_zeros_or_duplicates() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = setup_with(direct());
+    let expected = populate_with_duplicates(&s);
+    s.fast.freeze().unwrap();
+    // The same memory through staging, for comparison.
+    let staged = FastPath::new(s.allocator.clone(), s.gate.clone(), pipelined());
+    let reference = root.path().join("ref");
+    staged.copy_out(&reference, None).unwrap();
+    let before = s.driver.host_stats();
+
+    let image = root.path().join("img");
+    s.fast.copy_out(&image, None).unwrap();
+    assert_eq!(full_records(&image), full_records(&reference));
+    let records = full_records(&image);
+    assert!(records.iter().flat_map(|a| &a.1).any(|c| c.4 == "zero"));
+    let (last, copy) = (&records[5].1, &records[records.len() - 1].1);
+    assert_eq!(last.len(), copy.len());
+    assert!(
+        last.iter().zip(copy).all(|(a, b)| a.4 == b.4),
+        "deduplicated"
+    );
+
+    let st = s.driver.host_stats();
+    let windows = st.registrations - before.registrations - 1;
+    assert!(windows > 2, "windows moved along: {st:?}");
+    assert_eq!(st.async_copies - before.async_copies, chunks_of(&expected));
+    assert_eq!(st.pageable_async_copies, 0, "every copy registered");
+    assert_eq!(st.unregistered_under_dma, 0);
+    assert!(st.peak_outstanding <= 3);
+    assert_eq!(
+        (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+        (0, 0)
+    );
+    // Zero and duplicate chunks are holes: fewer blocks than bytes, and no more
+    // than the staged image stores (plus page padding of short chunks).
+    let (blocks, len) = data_usage(&image);
+    let (ref_blocks, ref_len) = data_usage(&reference);
+    assert!(blocks < len, "holes: {blocks} allocated of {len}");
+    assert!(len > ref_len, "the direct file keeps its layout");
+    assert!(blocks <= ref_blocks + 8 * 4096, "{blocks} vs {ref_blocks}");
+    round_trip(&s, &image, &expected);
+}
+
+#[test]
+fn direct_registration_failures_fall_back_to_staging() {
+    let Some(root) = tmpfs_dir() else { return };
+    // 1: the first window (all staged); 3: a later one (mixed).
+    for skip in [1, 3] {
+        let s = setup_with(direct());
+        let expected = populate_with_duplicates(&s);
+        s.fast.freeze().unwrap();
+        let reference = root.path().join(format!("ref-{skip}"));
+        FastPath::new(s.allocator.clone(), s.gate.clone(), pipelined())
+            .copy_out(&reference, None)
+            .unwrap();
+        let before = s.driver.host_stats();
+        s.driver.fail_nth(DriverCall::RegisterHost, skip);
+        let image = root.path().join(format!("img-{skip}"));
+        s.fast.copy_out(&image, None).unwrap();
+        assert_eq!(full_records(&image), full_records(&reference), "{skip}");
+        let st = s.driver.host_stats();
+        assert_eq!(st.registrations - before.registrations, skip, "{st:?}");
+        assert_eq!(st.pageable_async_copies, 0);
+        assert_eq!(
+            (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+            (0, 0)
+        );
+        round_trip(&s, &image, &expected);
+    }
+}
+
+#[test]
+fn direct_driver_failures_publish_nothing_and_leave_nothing_registered() {
+    let Some(root) = tmpfs_dir() else { return };
+    for (call, skip) in [(DriverCall::CopyToHost, 4), (DriverCall::Wait, 5)] {
+        let s = setup_with(direct());
+        let expected = populate_with_duplicates(&s);
+        s.fast.freeze().unwrap();
+        let image = root.path().join("img");
+        s.driver.fail_nth(call, skip);
+        let err = s.fast.copy_out(&image, None).unwrap_err();
+        assert!(
+            matches!(err, FastPathError::Driver(ref e) if e.call == call),
+            "{call:?}: {err}"
+        );
+        assert!(!image.exists(), "{call:?}: no image published");
+        let left: Vec<_> = std::fs::read_dir(root.path()).unwrap().collect();
+        assert!(left.is_empty(), "{call:?}: temporary files left: {left:?}");
+        let st = s.driver.host_stats();
+        assert_eq!(
+            (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+            (0, 0),
+            "{call:?}"
+        );
+        assert_eq!(st.unregistered_under_dma, 0);
+        assert!(st.peak_outstanding >= 2, "{call:?}: failed mid-pipeline");
+        s.fast.copy_out(&image, None).unwrap();
+        round_trip(&s, &image, &expected);
+        std::fs::remove_dir_all(&image).unwrap();
+    }
+}
+
+#[test]
+fn direct_is_not_used_off_tmpfs_or_when_compressing() {
+    // Off tmpfs: a directory next to the sources (the workspace is on a disk).
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let cases = [
+        (disk.path().to_path_buf(), direct(), None),
+        (
+            std::path::PathBuf::new(),
+            FastPathOptions {
+                image: ImageOptions {
+                    compression: Compression::Zstd { level: 1 },
+                    ..direct().image
+                },
+                ..direct()
+            },
+            tmpfs_dir(),
+        ),
+    ];
+    for (dir, opts, tmp) in cases {
+        let dir = match &tmp {
+            Some(t) => t.path().to_path_buf(),
+            None if dir.as_os_str().is_empty() => continue,
+            None => dir,
+        };
+        if gpu_state::image::is_tmpfs(&dir) && tmp.is_none() {
+            eprintln!("skipped: {} is tmpfs", dir.display());
+            continue;
+        }
+        let s = setup_with(opts);
+        let expected = populate(&s);
+        s.fast.freeze().unwrap();
+        let image = dir.join("img");
+        s.fast.copy_out(&image, None).unwrap();
+        let st = s.driver.host_stats();
+        assert_eq!(st.registrations, 1, "only the staging pool: {st:?}");
+        round_trip(&s, &image, &expected);
     }
 }

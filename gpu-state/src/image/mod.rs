@@ -31,6 +31,7 @@
 //! ```
 
 mod atomic;
+mod direct;
 mod error;
 mod layer;
 mod manifest;
@@ -42,6 +43,7 @@ mod summary;
 mod writer;
 
 pub use atomic::{image_state, remove_stale_temps, ImageState};
+pub use direct::is_tmpfs;
 pub use error::{ChunkPlace, ImageError};
 pub use layer::MAX_CHAIN;
 pub use manifest::{
@@ -53,7 +55,7 @@ pub use reader::{AllocationReader, ImageReader};
 pub use sink::AllocationSink;
 pub use staging::{StagingBuf, StagingPin, StagingPool};
 pub use summary::Summary;
-pub use writer::{ImageWriter, StagedChunk, WriterStats};
+pub use writer::{DirectChunk, DirectRegion, ImageWriter, NoDirect, StagedChunk, WriterStats};
 
 /// Default chunk size: 4 MiB.
 pub const DEFAULT_CHUNK_SIZE: usize = 4 << 20;

@@ -15,15 +15,26 @@ use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use super::direct::DirectMap;
 use super::manifest::{Codec, Compression, ContentHash, DataFile, ImageId, Location};
 use super::staging::{StagingBuf, StagingPool};
 
-/// A filled staging buffer for one chunk.
+/// One filled chunk: in a staging buffer, or already in place in the direct file.
 pub(crate) struct Job {
     pub alloc: usize,
     pub index: usize,
-    pub buf: StagingBuf,
+    pub data: JobData,
     pub len: usize,
+}
+
+pub(crate) enum JobData {
+    Staged(StagingBuf),
+    /// At `at` in the direct file, which is data file `file` of the image.
+    Direct {
+        map: Arc<DirectMap>,
+        at: u64,
+        file: u32,
+    },
 }
 
 /// Where a chunk went, as a worker reports it.
@@ -234,7 +245,12 @@ impl Worker {
     }
 
     fn process(&mut self, job: &Job) -> Result<Done, String> {
-        let data = &job.buf[..job.len];
+        let data = match &job.data {
+            JobData::Staged(buf) => &buf[..job.len],
+            // SAFETY: the chunk's copy completed before it was committed, and nothing
+            // writes its range afterwards.
+            JobData::Direct { map, at, .. } => unsafe { map.slice(*at, job.len) },
+        };
         let mut record = Done {
             alloc: job.alloc,
             index: job.index,
@@ -243,6 +259,7 @@ impl Worker {
             placed: Placed::Final(Location::Zero),
         };
         if is_zero(data) {
+            self.unplace(job)?;
             return Ok(record);
         }
         let (hash, crc) = checksums(data);
@@ -250,6 +267,7 @@ impl Worker {
         record.blake3 = Some(hash);
         if let Some(image) = self.shared.parent.get(&hash) {
             record.placed = Placed::Final(Location::Parent { image: *image });
+            self.unplace(job)?;
             return Ok(record);
         }
         let claimed = {
@@ -264,13 +282,31 @@ impl Worker {
         };
         if !claimed {
             record.placed = Placed::SameAs(hash);
+            self.unplace(job)?;
             return Ok(record);
         }
-        let location = self.store(data)?;
+        let location = match &job.data {
+            JobData::Staged(_) => self.store(data)?,
+            JobData::Direct { at, file, .. } => Location::Data {
+                file: *file,
+                offset: *at,
+                stored_len: job.len as u64,
+                codec: Codec::Raw,
+            },
+        };
         let mut stored = self.shared.stored.lock().map_err(|_| "poisoned")?;
         stored.insert(hash, Some(location));
         record.placed = Placed::Final(location);
         Ok(record)
+    }
+
+    /// A direct chunk that is not stored: its pages go back to tmpfs.
+    fn unplace(&self, job: &Job) -> Result<(), String> {
+        if let JobData::Direct { map, at, .. } = &job.data {
+            map.punch(*at, job.len)
+                .map_err(|e| format!("punching a hole in the direct data file: {e}"))?;
+        }
+        Ok(())
     }
 
     /// Appends one chunk to this worker's data file, compressed when that helps.

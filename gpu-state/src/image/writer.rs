@@ -11,12 +11,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::atomic::{create_temp_dir, fsync_path, publish, random_id, remove_stale_temps};
+use super::direct::{is_tmpfs, DirectMap, DIRECT_ALIGN, DIRECT_FILE};
 use super::error::ImageError;
+use super::manifest::Compression;
 use super::manifest::{
     Allocation, AllocationTags, Chunk, ContentHash, DataFile, ImageId, Location, Manifest,
     ParentRef, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MANIFEST_SUM_FILE,
 };
-use super::pipeline::{Done, Job, Pipeline, Placed};
+use super::pipeline::{Done, Job, JobData, Pipeline, Placed};
 use super::reader::ImageReader;
 use super::staging::{StagingBuf, StagingPin, StagingPool};
 use super::{AllocId, ImageOptions};
@@ -77,12 +79,89 @@ impl StagedChunk {
     }
 }
 
+/// One chunk's place in the direct data file between [`ImageWriter::stage_direct`] and
+/// [`ImageWriter::commit_direct`]. Dropping it uncommitted leaves the chunk unwritten.
+#[derive(Debug)]
+pub struct DirectChunk {
+    alloc: AllocId,
+    index: usize,
+    offset: u64,
+    len: usize,
+    at: u64,
+    ptr: *mut u8,
+}
+
+impl DirectChunk {
+    /// Where the chunk's bytes go: valid for [`len`](Self::len) bytes while the writer
+    /// lives (inside [`DirectRegion`]).
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The chunk's offset in its allocation.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The chunk's offset in the direct data file (page aligned).
+    pub fn file_offset(&self) -> u64 {
+        self.at
+    }
+}
+
+/// The mapped direct data file: what a DMA engine registers (in windows or whole).
+#[derive(Debug, Clone, Copy)]
+pub struct DirectRegion {
+    pub base: *mut u8,
+    pub len: usize,
+}
+
+/// Why an image cannot be written directly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoDirect {
+    /// Chunks are compressed, so they cannot sit in the file as the DMA left them.
+    Compressed,
+    /// The image directory is not on tmpfs: a shared mapping of the file could not be
+    /// registered for DMA, and its page cache is not the image.
+    NotTmpfs,
+    /// Nothing left to write.
+    Empty,
+    AlreadyDirect,
+}
+
+impl std::fmt::Display for NoDirect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NoDirect::Compressed => "the image is compressed",
+            NoDirect::NotTmpfs => "the image directory is not on tmpfs",
+            NoDirect::Empty => "no chunks to write",
+            NoDirect::AlreadyDirect => "the direct data file exists already",
+        })
+    }
+}
+
 struct AllocState {
     va: u64,
     size: u64,
     tags: AllocationTags,
     submitted: Vec<bool>,
     done: Vec<Option<Done>>,
+    /// Each chunk's offset in the direct data file (empty without one).
+    direct_at: Vec<u64>,
+}
+
+struct Direct {
+    map: Arc<DirectMap>,
+    /// Its index in the manifest's files (after the workers' files).
+    file: u32,
 }
 
 /// Writes one GPU state image. See the module docs for the protocol.
@@ -96,6 +175,7 @@ pub struct ImageWriter {
     /// `(pid, va)` → end, to refuse overlapping allocations.
     ranges: BTreeMap<(Option<u32>, u64), u64>,
     pipeline: Option<Pipeline>,
+    direct: Option<Direct>,
 }
 
 impl ImageWriter {
@@ -158,6 +238,7 @@ impl ImageWriter {
             allocations: Vec::new(),
             ranges: BTreeMap::new(),
             pipeline: Some(pipeline),
+            direct: None,
         })
     }
 
@@ -191,6 +272,7 @@ impl ImageWriter {
             tags,
             submitted: vec![false; chunks],
             done: (0..chunks).map(|_| None).collect(),
+            direct_at: Vec::new(),
         });
         Ok(AllocId(self.allocations.len() - 1))
     }
@@ -268,8 +350,116 @@ impl ImageWriter {
         let job = Job {
             alloc: alloc.0,
             index,
-            buf,
+            data: JobData::Staged(buf),
             len,
+        };
+        self.pipeline_mut()
+            .submit(job)
+            .map_err(ImageError::Worker)?;
+        self.collect();
+        Ok(())
+    }
+
+    /// Why [`start_direct`](Self::start_direct) would refuse, or `None` when it can go.
+    pub fn direct_refusal(&self) -> Option<NoDirect> {
+        if self.direct.is_some() {
+            Some(NoDirect::AlreadyDirect)
+        } else if self.opts.compression != Compression::None {
+            Some(NoDirect::Compressed)
+        } else if !is_tmpfs(&self.temp) {
+            Some(NoDirect::NotTmpfs)
+        } else if self
+            .allocations
+            .iter()
+            .all(|a| a.submitted.iter().all(|s| *s))
+        {
+            Some(NoDirect::Empty)
+        } else {
+            None
+        }
+    }
+
+    /// Creates the direct data file: one page-aligned place for every chunk of the
+    /// allocations begun so far that is not written yet, allocated and mapped shared.
+    /// Chunks then go through [`stage_direct`](Self::stage_direct) (DMA straight into
+    /// the file) and [`commit_direct`](Self::commit_direct) (the workers check, hash and
+    /// punch out what is not stored). Staged chunks may still be mixed in.
+    pub fn start_direct(&mut self) -> Result<DirectRegion, ImageError> {
+        if let Some(why) = self.direct_refusal() {
+            return Err(ImageError::Usage(format!("no direct data file: {why}")));
+        }
+        let chunk_size = self.opts.chunk_size as u64;
+        let mut total = 0u64;
+        for state in &mut self.allocations {
+            state.direct_at = (0..state.submitted.len())
+                .map(|i| {
+                    let at = total;
+                    if !state.submitted[i] {
+                        let len = chunk_size.min(state.size - i as u64 * chunk_size);
+                        total += len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+                    }
+                    at
+                })
+                .collect();
+        }
+        let path = self.temp.join(DIRECT_FILE);
+        let len = usize::try_from(total)
+            .map_err(|_| ImageError::Usage(format!("direct data file of {total} bytes")))?;
+        let map = DirectMap::create(&path, len).map_err(|e| ImageError::io(&path, e))?;
+        let region = DirectRegion {
+            base: map.base(),
+            len: map.len(),
+        };
+        self.direct = Some(Direct {
+            map: Arc::new(map),
+            file: self.opts.threads as u32,
+        });
+        tracing::debug!(bytes = len, "direct data file mapped");
+        Ok(region)
+    }
+
+    /// The place in the direct data file of the chunk at `offset` of `alloc`: DMA into
+    /// it, then [`commit_direct`](Self::commit_direct) it.
+    pub fn stage_direct(&mut self, alloc: AllocId, offset: u64) -> Result<DirectChunk, ImageError> {
+        let (index, len) = self.slot(alloc, offset)?;
+        let direct = self
+            .direct
+            .as_ref()
+            .ok_or_else(|| ImageError::Usage("no direct data file".into()))?;
+        let at = *self.allocations[alloc.0]
+            .direct_at
+            .get(index)
+            .ok_or_else(|| ImageError::Usage("allocation begun after start_direct".into()))?;
+        // SAFETY: `at + len` lies inside the mapping (laid out by `start_direct`).
+        let ptr = unsafe { direct.map.base().add(at as usize) };
+        Ok(DirectChunk {
+            alloc,
+            index,
+            offset,
+            len,
+            at,
+            ptr,
+        })
+    }
+
+    /// Hands a chunk whose bytes are in the direct data file to the workers.
+    pub fn commit_direct(&mut self, chunk: DirectChunk) -> Result<(), ImageError> {
+        self.slot(chunk.alloc, chunk.offset)?;
+        let direct = self
+            .direct
+            .as_ref()
+            .ok_or_else(|| ImageError::Usage("no direct data file".into()))?;
+        let data = JobData::Direct {
+            map: direct.map.clone(),
+            at: chunk.at,
+            file: direct.file,
+        };
+        self.allocations[chunk.alloc.0].submitted[chunk.index] = true;
+        let job = Job {
+            alloc: chunk.alloc.0,
+            index: chunk.index,
+            data,
+            len: chunk.len,
         };
         self.pipeline_mut()
             .submit(job)
@@ -319,9 +509,35 @@ impl ImageWriter {
             }
         }
         let pipeline = self.pipeline.take().expect("pipeline present until finish");
-        let finished = pipeline.finish().map_err(ImageError::Worker)?;
+        let mut finished = pipeline.finish().map_err(ImageError::Worker)?;
         for done in finished.done {
             self.record(done);
+        }
+        if let Some(direct) = self.direct.take() {
+            // The file ends after its last stored chunk; the rest are holes.
+            let end = finished
+                .stored
+                .values()
+                .filter_map(|l| match l {
+                    Some(Location::Data {
+                        file,
+                        offset,
+                        stored_len,
+                        ..
+                    }) if *file == direct.file => Some(offset + stored_len),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0);
+            let path = self.temp.join(DIRECT_FILE);
+            direct
+                .map
+                .finish(end)
+                .map_err(|e| ImageError::io(&path, e))?;
+            finished.files.push(DataFile {
+                name: DIRECT_FILE.to_string(),
+                size: end,
+            });
         }
         let mut manifest = self.build_manifest(&finished.files, &finished.stored)?;
         self.drop_empty_files(&mut manifest)?;

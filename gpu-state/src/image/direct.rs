@@ -1,0 +1,136 @@
+//! The direct data file: for images on tmpfs, one data file preallocated for every
+//! chunk and mapped `MAP_SHARED`, so a DMA engine writes chunks straight into the
+//! image's pages (on tmpfs the page cache IS the image) and the workers only read them:
+//! no staging buffer, no `write()` copy. Chunks that are not stored (zero, duplicate,
+//! in the parent chain) get their range punched out again.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::ptr::NonNull;
+
+/// `statfs` `f_type` of tmpfs and shmem.
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// Stored chunks start on page boundaries, so registration windows and hole punches
+/// cover whole pages.
+pub(crate) const DIRECT_ALIGN: u64 = 4096;
+
+/// Name of the direct data file while the image is written (renumbered at publish).
+pub(crate) const DIRECT_FILE: &str = "data-direct.bin";
+
+/// Whether `path` lies on tmpfs (shmem), where a shared mapping of a file may be
+/// registered for DMA and holds the file's only copy of the data.
+pub fn is_tmpfs(path: &Path) -> bool {
+    let Ok(c) = CString::new(path.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: an all-zero `statfs` is a valid value; `c` is NUL-terminated.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    rc == 0 && st.f_type as i64 == TMPFS_MAGIC
+}
+
+/// A preallocated data file mapped read-write and shared. Unmapped when dropped.
+pub(crate) struct DirectMap {
+    file: File,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is only written by DMA into chunk ranges handed out once, and
+// read by the one worker a chunk is committed to after its copy completed.
+unsafe impl Send for DirectMap {}
+unsafe impl Sync for DirectMap {}
+
+impl DirectMap {
+    /// Creates `path` (must not exist), allocates `len` bytes and maps them.
+    pub(crate) fn create(path: &Path, len: usize) -> io::Result<DirectMap> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "empty direct file",
+            ));
+        }
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        // Allocating up front turns a full tmpfs into an error here, not a SIGBUS
+        // during DMA.
+        // SAFETY: plain syscalls on an fd we own.
+        if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(DirectMap { file, ptr, len })
+    }
+
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The bytes at `[offset, offset + len)`.
+    ///
+    /// # Safety
+    /// Nothing may write that range while the slice lives.
+    pub(crate) unsafe fn slice(&self, offset: u64, len: usize) -> &[u8] {
+        assert!(
+            offset as usize + len <= self.len,
+            "direct range out of the file"
+        );
+        std::slice::from_raw_parts(self.ptr.as_ptr().add(offset as usize), len)
+    }
+
+    /// Gives the pages of `[offset, offset + len)` back (they read as zeros).
+    pub(crate) fn punch(&self, offset: u64, len: usize) -> io::Result<()> {
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        // SAFETY: a syscall on our fd; nobody reads the range afterwards.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                mode,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Cuts the file to `len` bytes (past the last stored chunk) and syncs it.
+    pub(crate) fn finish(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.file.sync_all()
+    }
+}
+
+impl Drop for DirectMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; every user (DMA, workers) is gone by now.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
