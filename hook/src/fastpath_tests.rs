@@ -730,7 +730,8 @@ fn direct_copy_out_writes_the_staged_image_without_zeros_or_duplicates() {
     );
 
     let st = s.driver.host_stats();
-    let windows = st.registrations - before.registrations - 1;
+    // Only windows: the staging pool was never used, so never pinned.
+    let windows = st.registrations - before.registrations;
     assert!(windows > 2, "windows moved along: {st:?}");
     assert_eq!(st.async_copies - before.async_copies, chunks_of(&expected));
     assert_eq!(st.pageable_async_copies, 0, "every copy registered");
@@ -753,8 +754,8 @@ fn direct_copy_out_writes_the_staged_image_without_zeros_or_duplicates() {
 #[test]
 fn direct_registration_failures_fall_back_to_staging() {
     let Some(root) = tmpfs_dir() else { return };
-    // 1: the first window (all staged); 3: a later one (mixed).
-    for skip in [1, 3] {
+    // 0: the first window (all staged); 2: a later one (mixed).
+    for skip in [0, 2] {
         let s = setup_with(direct());
         let expected = populate_with_duplicates(&s);
         s.fast.freeze().unwrap();
@@ -768,7 +769,8 @@ fn direct_registration_failures_fall_back_to_staging() {
         s.fast.copy_out(&image, None).unwrap();
         assert_eq!(full_records(&image), full_records(&reference), "{skip}");
         let st = s.driver.host_stats();
-        assert_eq!(st.registrations - before.registrations, skip, "{st:?}");
+        // The windows before the failure, then the staging pool.
+        assert_eq!(st.registrations - before.registrations, skip + 1, "{st:?}");
         assert_eq!(st.pageable_async_copies, 0);
         assert_eq!(
             (s.driver.outstanding_copies(), s.driver.registered_ranges()),

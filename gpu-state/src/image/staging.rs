@@ -30,7 +30,15 @@ pub struct StagingPool {
     free: Mutex<Free>,
     returned: Condvar,
     pin: Option<Arc<dyn StagingPin>>,
-    pinned: bool,
+    pinned: Mutex<Pinned>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pinned {
+    /// Pinned at the first `acquire` (see [`StagingPool::new_deferred`]).
+    Deferred,
+    Yes,
+    No,
 }
 
 struct Free {
@@ -52,6 +60,19 @@ impl StagingPool {
         buf_size: usize,
         pin: Option<Arc<dyn StagingPin>>,
     ) -> Result<Arc<StagingPool>, ImageError> {
+        let pool = Self::new_deferred(count, buf_size, pin)?;
+        pool.pin_now();
+        Ok(pool)
+    }
+
+    /// Like [`new`](Self::new), but pins at the first [`acquire`](Self::acquire) (on
+    /// that thread): a pool that may go unused (a direct copy-out) costs neither a
+    /// registration nor resident memory.
+    pub fn new_deferred(
+        count: usize,
+        buf_size: usize,
+        pin: Option<Arc<dyn StagingPin>>,
+    ) -> Result<Arc<StagingPool>, ImageError> {
         let usage = |why: &str| ImageError::Usage(format!("staging pool: {why}"));
         if count == 0 || buf_size == 0 {
             return Err(usage("needs at least one buffer of at least one byte"));
@@ -65,16 +86,10 @@ impl StagingPool {
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(|| {
             ImageError::Usage(format!("staging pool: cannot allocate {len} bytes"))
         })?;
-        let pinned = match &pin {
-            Some(p) => match p.pin(ptr.as_ptr(), len) {
-                Ok(()) => true,
-                Err(reason) => {
-                    tracing::warn!(%reason, bytes = len, "staging memory not pinned; copies go through pageable memory");
-                    false
-                }
-            },
-            None => false,
-        };
+        let pinned = Mutex::new(match pin {
+            Some(_) => Pinned::Deferred,
+            None => Pinned::No,
+        });
         Ok(Arc::new(StagingPool {
             ptr,
             layout,
@@ -90,12 +105,32 @@ impl StagingPool {
         }))
     }
 
+    /// Pins the region unless that was tried already.
+    fn pin_now(&self) {
+        let mut pinned = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if *pinned != Pinned::Deferred {
+            return;
+        }
+        let Some(pin) = &self.pin else {
+            *pinned = Pinned::No;
+            return;
+        };
+        *pinned = match pin.pin(self.ptr.as_ptr(), self.layout.size()) {
+            Ok(()) => Pinned::Yes,
+            Err(reason) => {
+                tracing::warn!(%reason, bytes = self.layout.size(), "staging memory not pinned; copies go through pageable memory");
+                Pinned::No
+            }
+        };
+    }
+
     fn lock(&self) -> MutexGuard<'_, Free> {
         self.free.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A buffer; blocks until one is returned while all are in use.
     pub fn acquire(self: &Arc<Self>) -> StagingBuf {
+        self.pin_now();
         let mut free = self.lock();
         loop {
             if let Some(index) = free.indices.pop() {
@@ -131,7 +166,7 @@ impl StagingPool {
 
     /// Whether the region is pinned for DMA.
     pub fn is_pinned(&self) -> bool {
-        self.pinned
+        *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) == Pinned::Yes
     }
 
     /// Total bytes of the region.
@@ -147,7 +182,7 @@ impl StagingPool {
 
 impl Drop for StagingPool {
     fn drop(&mut self) {
-        if let (true, Some(pin)) = (self.pinned, &self.pin) {
+        if let (true, Some(pin)) = (self.is_pinned(), &self.pin) {
             pin.unpin(self.ptr.as_ptr(), self.layout.size());
         }
         // SAFETY: allocated in `new` with this layout; no buffer outlives the pool.
@@ -260,6 +295,22 @@ mod tests {
         drop((b, d));
         assert_eq!(pin.unpins.load(Ordering::SeqCst), 0, "alive");
         drop(pool);
+        assert_eq!(pin.pins.load(Ordering::SeqCst), 1);
+        assert_eq!(pin.unpins.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_deferred_pool_pins_at_first_use_or_never() {
+        let pin = Arc::new(CountPin::default());
+        let unused = StagingPool::new_deferred(2, 10, Some(pin.clone())).unwrap();
+        assert!(!unused.is_pinned());
+        drop(unused);
+        assert_eq!(pin.pins.load(Ordering::SeqCst), 0);
+        assert_eq!(pin.unpins.load(Ordering::SeqCst), 0);
+        let pool = StagingPool::new_deferred(2, 10, Some(pin.clone())).unwrap();
+        let (a, b) = (pool.acquire(), pool.acquire());
+        assert!(pool.is_pinned());
+        drop((a, b, pool));
         assert_eq!(pin.pins.load(Ordering::SeqCst), 1);
         assert_eq!(pin.unpins.load(Ordering::SeqCst), 1);
     }

@@ -190,8 +190,8 @@ impl ImageWriter {
     }
 
     /// Like [`create`](Self::create), with the staging pool (`max_in_flight` ×
-    /// `chunk_size` bytes) pinned by `pin` once, and unpinned when the writer and every
-    /// staged chunk are gone.
+    /// `chunk_size` bytes) pinned by `pin` once, at the first staged chunk (on that
+    /// thread), and unpinned when the writer and every staged chunk are gone.
     pub fn create_with_pin(
         dir: &Path,
         parent: Option<&Path>,
@@ -217,7 +217,8 @@ impl ImageWriter {
             }
             None => (None, HashMap::new()),
         };
-        let pool = StagingPool::new(opts.max_in_flight, opts.chunk_size, pin)?;
+        // Pinned at the first staged chunk: a direct copy-out may never need it.
+        let pool = StagingPool::new_deferred(opts.max_in_flight, opts.chunk_size, pin)?;
         let temp = create_temp_dir(dir)?;
         let pipeline = Pipeline::start(&temp, opts.threads, pool, opts.compression, parent_hashes)
             .map_err(|e| ImageError::io(&temp, e));

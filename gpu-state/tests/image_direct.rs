@@ -1,0 +1,211 @@
+//! GPU state image: the direct data file (chunks written in place into a shared mapping
+//! of a tmpfs file), checked against the plain write path.
+
+mod image_util;
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use gpu_state::image::{
+    is_tmpfs, Compression, ImageOptions, ImageReader, ImageWriter, Location, Manifest, NoDirect,
+};
+use image_util::{alloc, read_back, small_opts, write_image, Rng};
+
+const CHUNK: usize = 64 << 10;
+
+fn opts() -> ImageOptions {
+    ImageOptions {
+        compression: Compression::None,
+        ..small_opts()
+    }
+}
+
+fn tmpfs_dir() -> Option<tempfile::TempDir> {
+    let shm = Path::new("/dev/shm");
+    if !is_tmpfs(shm) {
+        eprintln!("skipped: /dev/shm is not tmpfs");
+        return None;
+    }
+    Some(tempfile::tempdir_in(shm).unwrap())
+}
+
+/// Zero chunks, repeated chunks, a short last chunk.
+fn data() -> Vec<image_util::Alloc> {
+    let mut rng = Rng(5);
+    let mut with_zeros = rng.bytes(4 * CHUNK + 5);
+    with_zeros[CHUNK..2 * CHUNK].fill(0);
+    let repeated = [rng.bytes(CHUNK), rng.bytes(CHUNK)].concat().repeat(2);
+    vec![
+        alloc(0x7f00_0000_0000, with_zeros),
+        alloc(0x7f00_1000_0000, repeated),
+        alloc(0x7f00_2000_0000, rng.bytes(17)),
+        alloc(0x7f00_3000_0000, vec![0; 3 * CHUNK]),
+    ]
+}
+
+/// Chunk records without data-file places: (offset, len, crc, blake3, kind, first
+/// chunk stored at the same place).
+type Record = (u64, u64, Option<u32>, Option<String>, String);
+
+fn records(m: &Manifest) -> Vec<Vec<Record>> {
+    let mut first = std::collections::HashMap::new();
+    let mut n = 0;
+    m.allocations
+        .iter()
+        .map(|a| {
+            a.chunks
+                .iter()
+                .map(|c| {
+                    n += 1;
+                    let at = match c.at {
+                        Location::Zero => "zero".into(),
+                        Location::Parent { .. } => "parent".into(),
+                        Location::Data { file, offset, .. } => {
+                            format!("data {}", first.entry((file, offset)).or_insert(n))
+                        }
+                    };
+                    (c.offset, c.len, c.crc32c, c.blake3.map(|h| h.to_hex()), at)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Writes `allocs` through the direct file; with `staged_every`, every n-th chunk goes
+/// through staging instead.
+fn write_direct(
+    dir: &Path,
+    parent: Option<&Path>,
+    allocs: &[image_util::Alloc],
+    staged_every: Option<usize>,
+) -> Manifest {
+    let mut writer = ImageWriter::create(dir, parent, opts()).unwrap();
+    let ids: Vec<_> = allocs
+        .iter()
+        .map(|a| {
+            writer
+                .begin_allocation(a.va, a.data.len() as u64, a.tags.clone())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(writer.direct_refusal(), None);
+    let region = writer.start_direct().unwrap();
+    let mut n = 0;
+    // Last allocation first: any order works.
+    for (a, id) in allocs.iter().zip(&ids).rev() {
+        for (i, bytes) in a.data.chunks(CHUNK).enumerate() {
+            let offset = (i * CHUNK) as u64;
+            n += 1;
+            if staged_every.is_some_and(|k| n % k == 0) {
+                writer.write_chunk(*id, offset, bytes).unwrap();
+                continue;
+            }
+            let chunk = writer.stage_direct(*id, offset).unwrap();
+            assert_eq!(chunk.len(), bytes.len());
+            assert_eq!(chunk.file_offset() % 4096, 0);
+            let place = chunk.as_mut_ptr() as usize - region.base as usize;
+            assert!(place + chunk.len() <= region.len);
+            // SAFETY: the chunk's place in the mapping, ours until committed.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), chunk.as_mut_ptr(), bytes.len())
+            };
+            writer.commit_direct(chunk).unwrap();
+        }
+    }
+    writer.finish().unwrap()
+}
+
+fn usage(dir: &Path) -> (u64, u64) {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.to_string_lossy().ends_with(".bin"))
+        .map(|p| std::fs::metadata(p).unwrap())
+        .fold((0, 0), |(b, l), m| (b + m.blocks() * 512, l + m.len()))
+}
+
+#[test]
+fn a_direct_image_has_the_staged_records_and_reads_back() {
+    let Some(root) = tmpfs_dir() else { return };
+    let allocs = data();
+    let reference = write_image(&root.path().join("ref"), None, opts(), &allocs);
+    for (name, staged_every) in [("direct", None), ("mixed", Some(3))] {
+        let dir = root.path().join(name);
+        let manifest = write_direct(&dir, None, &allocs, staged_every);
+        assert_eq!(records(&manifest), records(&reference), "{name}");
+        let reader = ImageReader::open(&dir).unwrap();
+        reader.verify(2).unwrap();
+        for a in &allocs {
+            assert_eq!(read_back(&reader, a.va, None).unwrap(), a.data, "{name}");
+        }
+        let names: Vec<_> = manifest.files.iter().map(|f| f.name.clone()).collect();
+        let expect: Vec<_> = (0..names.len())
+            .map(|i| format!("data-{i:03}.bin"))
+            .collect();
+        assert_eq!(names, expect, "{name}: renumbered");
+    }
+    // Zero and repeated chunks are holes in the direct file.
+    let (blocks, len) = usage(&root.path().join("direct"));
+    assert!(blocks < len, "{blocks} allocated of {len}");
+    let (ref_blocks, _) = usage(&root.path().join("ref"));
+    assert!(blocks <= ref_blocks + 4 * 4096, "{blocks} vs {ref_blocks}");
+}
+
+#[test]
+fn a_direct_delta_image_refers_to_its_parent() {
+    let Some(root) = tmpfs_dir() else { return };
+    let allocs = data();
+    let parent = root.path().join("parent");
+    write_image(&parent, None, opts(), &allocs);
+    let mut changed = data();
+    changed[0].data[3] ^= 1;
+    let reference = write_image(&root.path().join("ref"), Some(&parent), opts(), &changed);
+    let dir = root.path().join("delta");
+    let manifest = write_direct(&dir, Some(&parent), &changed, None);
+    assert_eq!(records(&manifest), records(&reference));
+    let reader = ImageReader::open(&dir).unwrap();
+    for a in &changed {
+        assert_eq!(read_back(&reader, a.va, None).unwrap(), a.data);
+    }
+    // One changed chunk stored; the rest are in the parent.
+    assert_eq!(manifest.files.len(), 1);
+    assert_eq!(manifest.files[0].size, CHUNK as u64);
+}
+
+#[test]
+fn all_zero_memory_gives_no_data_file() {
+    let Some(root) = tmpfs_dir() else { return };
+    let allocs = vec![alloc(0x1000_0000, vec![0; 2 * CHUNK + 3])];
+    let manifest = write_direct(&root.path().join("img"), None, &allocs, None);
+    assert!(manifest.files.is_empty());
+    assert!(ImageReader::open(&root.path().join("img")).is_ok());
+}
+
+#[test]
+fn direct_is_refused_when_it_cannot_work() {
+    let Some(root) = tmpfs_dir() else { return };
+    let mut w = ImageWriter::create(&root.path().join("a"), None, small_opts()).unwrap();
+    w.begin_allocation(0x1000, 10, Default::default()).unwrap();
+    assert_eq!(w.direct_refusal(), Some(NoDirect::Compressed));
+    assert!(w.start_direct().is_err());
+    drop(w);
+
+    let mut w = ImageWriter::create(&root.path().join("b"), None, opts()).unwrap();
+    assert_eq!(w.direct_refusal(), Some(NoDirect::Empty));
+    w.begin_allocation(0x1000, 10, Default::default()).unwrap();
+    w.start_direct().unwrap();
+    assert_eq!(w.direct_refusal(), Some(NoDirect::AlreadyDirect));
+    // An allocation begun later has no place in the file.
+    let late = w.begin_allocation(0x2000, 10, Default::default()).unwrap();
+    assert!(w.stage_direct(late, 0).is_err());
+    // Dropped unfinished: nothing stays.
+    drop(w);
+    assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 0);
+
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    if !is_tmpfs(disk.path()) {
+        let mut w = ImageWriter::create(&disk.path().join("c"), None, opts()).unwrap();
+        w.begin_allocation(0x1000, 10, Default::default()).unwrap();
+        assert_eq!(w.direct_refusal(), Some(NoDirect::NotTmpfs));
+    }
+}
