@@ -7,7 +7,8 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use gpu_state::image::{
-    is_tmpfs, Compression, ImageOptions, ImageReader, ImageWriter, Location, Manifest, NoDirect,
+    is_tmpfs, Compression, ImageError, ImageOptions, ImageReader, ImageWriter, Location, Manifest,
+    NoDirect,
 };
 use image_util::{alloc, read_back, small_opts, write_image, Rng};
 
@@ -207,5 +208,79 @@ fn direct_is_refused_when_it_cannot_work() {
         let mut w = ImageWriter::create(&disk.path().join("c"), None, opts()).unwrap();
         w.begin_allocation(0x1000, 10, Default::default()).unwrap();
         assert_eq!(w.direct_refusal(), Some(NoDirect::NotTmpfs));
+    }
+}
+
+#[test]
+fn mapped_chunks_are_the_image_bytes_and_checked_in_place() {
+    let Some(root) = tmpfs_dir() else { return };
+    let allocs = data();
+    let parent = root.path().join("parent");
+    write_image(&parent, None, opts(), &allocs);
+    let mut changed = data();
+    changed[1].data[7] ^= 1;
+    let dir = root.path().join("delta");
+    write_direct(&dir, Some(&parent), &changed, Some(2));
+    let reader = ImageReader::open(&dir).unwrap();
+    assert_eq!(reader.direct_refusal(), None);
+    let work: Vec<_> = (0..changed.len())
+        .flat_map(|a| {
+            let n = reader.allocations()[a].chunks.len();
+            (0..n).map(move |i| (gpu_state::image::AllocId(a), i))
+        })
+        .collect();
+    let mapped = reader.map_chunks(&work).unwrap();
+    assert_eq!(mapped.len(), work.len());
+    for (i, (id, index)) in work.iter().enumerate() {
+        mapped.verify(i).unwrap();
+        let c = mapped.chunk(i);
+        let expect = &changed[id.0].data[index * CHUNK..][..c.len];
+        match c.at {
+            None => assert!(expect.iter().all(|&b| b == 0)),
+            Some((map, offset)) => {
+                let r = mapped.region(map).unwrap();
+                assert!(offset as usize + c.len <= r.len);
+                // SAFETY: inside the mapping, alive while `mapped` is.
+                let got = unsafe { std::slice::from_raw_parts(r.base.add(offset as usize), c.len) };
+                assert_eq!(got, expect);
+            }
+        }
+    }
+    drop(mapped);
+
+    // A damaged byte of the image's first data file (map 0) shows in `verify`.
+    let (i, offset) = {
+        let m = reader.map_chunks(&work).unwrap();
+        (0..work.len())
+            .find_map(|i| match m.chunk(i).at {
+                Some((0, offset)) => Some((i, offset)),
+                _ => None,
+            })
+            .unwrap()
+    };
+    let file = dir.join(&reader.manifest().files[0].name);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[offset as usize] ^= 0x10;
+    std::fs::write(&file, bytes).unwrap();
+    let reader = ImageReader::open(&dir).unwrap();
+    let mapped = reader.map_chunks(&work).unwrap();
+    let err = mapped.verify(i).unwrap_err();
+    assert!(
+        matches!(err, ImageError::CorruptChunk { ref place, .. } if place.file == file && place.file_offset == offset),
+        "{err}"
+    );
+
+    // Compressed or on a disk: refused.
+    // (Per chunk: random bytes stay raw even in a zstd image, repeated ones shrink.)
+    let z = root.path().join("z");
+    write_image(&z, None, small_opts(), &[alloc(0x1000, vec![7; 2 * CHUNK])]);
+    let reader = ImageReader::open(&z).unwrap();
+    assert_eq!(reader.direct_refusal(), Some(NoDirect::Compressed));
+    assert!(reader.map_chunks(&[]).is_err());
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    if !is_tmpfs(disk.path()) {
+        write_image(&disk.path().join("d"), None, opts(), &allocs);
+        let reader = ImageReader::open(&disk.path().join("d")).unwrap();
+        assert_eq!(reader.direct_refusal(), Some(NoDirect::NotTmpfs));
     }
 }

@@ -82,6 +82,8 @@ type FnAddressFree = unsafe extern "C" fn(DevicePtr, usize) -> CuResult;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult;
 type FnSync = unsafe extern "C" fn() -> CuResult;
+/// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the memory.
+const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
 type FnHostRegister = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult;
 type FnHostUnregister = unsafe extern "C" fn(*mut c_void) -> CuResult;
 type FnStreamCreate = unsafe extern "C" fn(*mut Stream, c_uint) -> CuResult;
@@ -182,6 +184,18 @@ unsafe fn want<T: Copy>(resolve: Resolve<'_>, name: &'static str) -> Option<T> {
 }
 
 impl CudaDriver {
+    fn register_with(&self, ptr: *mut u8, len: usize, flags: c_uint) -> Result<(), DriverError> {
+        let call = DriverCall::RegisterHost;
+        let Some(f) = self.register_fns else {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_NOT_SUPPORTED,
+            });
+        };
+        self.bind();
+        check(call, unsafe { (f.register)(ptr.cast(), len, flags) })
+    }
+
     /// Loads `path` (e.g. `libcuda.so.1`) and binds to the calling thread's current
     /// context and its device. Not for use inside the preloaded hook, where `dlsym`
     /// is our own (see [`CudaDriver::from_resolver`]).
@@ -417,16 +431,13 @@ impl VmmDriver for CudaDriver {
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {
-        let call = DriverCall::RegisterHost;
-        let Some(f) = self.register_fns else {
-            return Err(DriverError {
-                call,
-                code: CUDA_ERROR_NOT_SUPPORTED,
-            });
-        };
-        self.bind();
         // Flags 0: pinned for this context only, no device mapping needed.
-        check(call, unsafe { (f.register)(ptr.cast(), len, 0) })
+        self.register_with(ptr, len, 0)
+    }
+
+    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), DriverError> {
+        // A PROT_READ mapping cannot be pinned for writing.
+        self.register_with(ptr.cast_mut(), len, CU_MEMHOSTREGISTER_READ_ONLY)
     }
 
     fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {

@@ -75,6 +75,12 @@ pub trait VmmDriver: Send + Sync {
     fn synchronize(&self) -> Result<(), DriverError>;
     /// Pins `len` bytes of host memory at `ptr` for DMA (`cuMemHostRegister_v2`).
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError>;
+    /// Pins `len` bytes of read-only host memory (e.g. a `PROT_READ` mapping of an image
+    /// file) as a source of host-to-device copies (`cuMemHostRegister_v2` with
+    /// `CU_MEMHOSTREGISTER_READ_ONLY`); undone by [`unregister_host`](Self::unregister_host).
+    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), DriverError> {
+        self.register_host(ptr.cast_mut(), len)
+    }
     /// Unpins memory registered at `ptr` (`cuMemHostUnregister`).
     fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError>;
     /// Starts copying `len` bytes from device address `src` to host memory at `dst` on

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use gpu_state::image::{
     AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
-    ImageReader, ImageWriter, NoDirect, StagedChunk, StagingPin, StagingPool,
+    ImageReader, ImageWriter, MappedImage, NoDirect, StagedChunk, StagingPin, StagingPool,
 };
 use thiserror::Error;
 
@@ -306,6 +306,8 @@ impl<D: VmmDriver, T> Drop for InFlight<'_, D, T> {
     }
 }
 
+const PAGE: usize = 4096;
+
 /// A chunk whose copy-out is in flight: into a staging buffer or straight into the
 /// direct data file.
 enum Pending {
@@ -340,6 +342,8 @@ struct Window<'d, D: VmmDriver> {
     current: Option<(usize, usize)>,
     /// Windows registered so far.
     registered: usize,
+    /// Registered as a read-only source (copy-in from a `PROT_READ` mapping).
+    read_only: bool,
 }
 
 impl<'d, D: VmmDriver> Window<'d, D> {
@@ -350,6 +354,7 @@ impl<'d, D: VmmDriver> Window<'d, D> {
             size: size.max(1),
             current: None,
             registered: 0,
+            read_only: false,
         }
     }
 
@@ -358,15 +363,22 @@ impl<'d, D: VmmDriver> Window<'d, D> {
             .is_some_and(|(start, end)| at >= start && at + len <= end)
     }
 
-    /// Unregisters the current window and registers the one starting at `at` (page
-    /// aligned), at least `len` bytes long.
+    /// Unregisters the current window and registers one that starts at the page of
+    /// `at` and holds at least `[at, at + len)`.
     fn advance(&mut self, at: usize, len: usize) -> Result<(), DriverError> {
         self.release();
-        let end = at.saturating_add(self.size.max(len)).min(self.region.len);
-        // SAFETY: `at` lies inside the mapping.
-        let ptr = unsafe { self.region.base.add(at) };
-        self.driver.register_host(ptr, end - at)?;
-        self.current = Some((at, end));
+        let start = at & !(PAGE - 1);
+        let end = (at + len)
+            .max(start.saturating_add(self.size))
+            .min(self.region.len);
+        // SAFETY: `start` lies inside the mapping.
+        let ptr = unsafe { self.region.base.add(start) };
+        if self.read_only {
+            self.driver.register_host_read_only(ptr, end - start)?;
+        } else {
+            self.driver.register_host(ptr, end - start)?;
+        }
+        self.current = Some((start, end));
         self.registered += 1;
         Ok(())
     }
@@ -385,6 +397,19 @@ impl<'d, D: VmmDriver> Window<'d, D> {
 impl<D: VmmDriver> Drop for Window<'_, D> {
     fn drop(&mut self) {
         self.release();
+    }
+}
+
+/// Why the direct copy-in stopped.
+enum DirectInError {
+    Driver(DriverError),
+    /// A chunk failed its check.
+    Corrupt(ImageError),
+}
+
+impl From<DriverError> for DirectInError {
+    fn from(e: DriverError) -> Self {
+        DirectInError::Driver(e)
     }
 }
 
@@ -654,7 +679,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let allocs = self.movable()?;
         let reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
-        let (bytes, staging_bytes) = self.fill(&reader, &allocs, &plan)?;
+        let (bytes, staging_bytes) = match self.fill_direct(&reader, &allocs, &plan)? {
+            Some(done) => done,
+            None => self.fill(&reader, &allocs, &plan)?,
+        };
         let report = CopyInReport {
             allocations: allocs.len(),
             bytes,
@@ -663,6 +691,171 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
+    }
+
+    /// Every chunk of `allocs` as (image allocation, chunk index), and its device address.
+    fn chunk_work(
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        plan: &[AllocId],
+    ) -> (Vec<(AllocId, usize)>, Vec<DevicePtr>) {
+        let chunk = reader.manifest().chunk_size as usize;
+        let mut work = Vec::new();
+        let mut targets = Vec::new();
+        for (alloc, id) in allocs.iter().zip(plan) {
+            for index in 0..reader.allocations()[id.0].chunks.len() {
+                work.push((*id, index));
+                targets.push(alloc.va + (index * chunk) as u64);
+            }
+        }
+        (work, targets)
+    }
+
+    /// The direct copy-in (`direct`, image on tmpfs, raw chunks): the image's data files
+    /// mapped read-only, verifier threads check each chunk's CRC where it lies while the
+    /// control thread DMAs the verified chunks straight from the mapping (registered
+    /// read-only in windows, in file order) on the copy streams; zero chunks come from
+    /// one zeroed pinned buffer. `None` when not used or a registration failed (then
+    /// nothing is registered or in flight, and the staged path runs). Returns the bytes
+    /// copied and the bytes of host buffers used.
+    fn fill_direct(
+        &self,
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        plan: &[AllocId],
+    ) -> Result<Option<(u64, u64)>, FastPathError> {
+        if !self.opts.direct {
+            return Ok(None);
+        }
+        if let Some(why) = reader.direct_refusal() {
+            tracing::info!(reason = %why, "direct copy-in not used");
+            return Ok(None);
+        }
+        let (work, targets) = Self::chunk_work(reader, allocs, plan);
+        let bytes = allocs.iter().map(|a| a.size).sum();
+        if work.is_empty() {
+            return Ok(Some((bytes, 0)));
+        }
+        let mapped = reader.map_chunks(&work)?;
+        // Zero chunks first, then file by file in offset order, so windows only move on.
+        let mut order: Vec<usize> = (0..work.len()).collect();
+        order.sort_by_key(|&i| mapped.chunk(i).at.map_or((0, 0), |(m, o)| (m + 1, o)));
+        let chunk = reader.manifest().chunk_size as usize;
+        let zeros = mapped.chunk(order[0]).at.is_none();
+        let zero_pool = if zeros {
+            Some(StagingPool::new(1, chunk, self.pin())?)
+        } else {
+            None
+        };
+        // Never written: the pool is zeroed.
+        let mut zero_buf = zero_pool.as_ref().map(|p| p.acquire());
+        let zero_ptr = zero_buf
+            .as_mut()
+            .map_or(std::ptr::null(), |b| b.as_mut_ptr().cast_const());
+
+        // Verdicts by position in `order`, filled by the verifiers ahead of the copies.
+        let verdicts: Mutex<Vec<Option<Result<(), ImageError>>>> =
+            Mutex::new((0..order.len()).map(|_| None).collect());
+        let ready = std::sync::Condvar::new();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let copied = std::thread::scope(|scope| {
+            for _ in 0..self.opts.read_threads.clamp(1, order.len()) {
+                scope.spawn(|| loop {
+                    let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if k >= order.len() || stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        return;
+                    }
+                    let verdict = mapped.verify(order[k]);
+                    verdicts.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(verdict);
+                    ready.notify_all();
+                });
+            }
+            let result = self.copy_mapped(&mapped, &order, &targets, zero_ptr, |k| {
+                let mut v = verdicts.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if let Some(verdict) = v[k].take() {
+                        return verdict;
+                    }
+                    v = ready.wait(v).unwrap_or_else(|p| p.into_inner());
+                }
+            });
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            result
+        });
+        match copied {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(DirectInError::Driver(e)) => return Err(e.into()),
+            Err(DirectInError::Corrupt(e)) => return Err(e.into()),
+        }
+        self.driver().synchronize()?;
+        drop(zero_buf);
+        tracing::debug!(chunks = order.len(), "direct copy-in");
+        Ok(Some((bytes, if zeros { chunk as u64 } else { 0 })))
+    }
+
+    /// The control thread's part of [`fill_direct`](Self::fill_direct): for each chunk
+    /// in `order`, waits for its verdict (`verified(k)`), moves the registered window
+    /// along and issues its copy. `Ok(false)`: a registration failed, nothing is left
+    /// registered or in flight.
+    fn copy_mapped(
+        &self,
+        mapped: &MappedImage,
+        order: &[usize],
+        targets: &[DevicePtr],
+        zero: *const u8,
+        verified: impl Fn(usize) -> Result<(), ImageError>,
+    ) -> Result<bool, DirectInError> {
+        // Declared before `flight`: unregistered only after every copy is waited for.
+        let mut window: Option<(usize, Window<D>)> = None;
+        let mut flight: InFlight<D, ()> = InFlight::new(self.driver(), self.opts.streams);
+        for (k, &i) in order.iter().enumerate() {
+            verified(k).map_err(DirectInError::Corrupt)?;
+            let c = mapped.chunk(i);
+            let src = match c.at {
+                None => zero,
+                Some((map, offset)) => {
+                    // `verify` found the chunk inside a mapped file, so this holds.
+                    let region = mapped.region(map).ok_or_else(|| {
+                        DirectInError::Corrupt(ImageError::Worker(format!(
+                            "data file {map} not mapped"
+                        )))
+                    })?;
+                    let at = offset as usize;
+                    let covered = window
+                        .as_ref()
+                        .is_some_and(|(m, w)| *m == map && w.covers(at, c.len));
+                    if !covered {
+                        while flight.complete_oldest()?.is_some() {}
+                        drop(window.take());
+                        let whole = DirectRegion {
+                            base: region.base.cast_mut(),
+                            len: region.len,
+                        };
+                        let mut w = Window::new(self.driver(), whole, self.opts.direct_window);
+                        w.read_only = true;
+                        if let Err(e) = w.advance(at, c.len) {
+                            tracing::warn!(error = %e, "cannot register the mapped image; copy-in goes through staging");
+                            return Ok(false);
+                        }
+                        window = Some((map, w));
+                    }
+                    // SAFETY: inside the mapping (checked by `verify`).
+                    unsafe { region.base.add(at) }
+                }
+            };
+            flight.start((), |_, stream| {
+                // SAFETY: the mapping (or zero buffer) outlives `flight`, and nobody
+                // writes it.
+                unsafe {
+                    self.driver()
+                        .copy_from_host_async(targets[i], src, c.len, stream)
+                }
+            })?;
+        }
+        while flight.complete_oldest()?.is_some() {}
+        Ok(true)
     }
 
     /// Copies each allocation's image data in: reader threads fill a pinned staging
@@ -675,14 +868,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         plan: &[AllocId],
     ) -> Result<(u64, u64), FastPathError> {
         let chunk = reader.manifest().chunk_size as usize;
-        let mut work = Vec::new();
-        let mut targets = Vec::new();
-        for (alloc, id) in allocs.iter().zip(plan) {
-            for index in 0..reader.allocations()[id.0].chunks.len() {
-                work.push((*id, index));
-                targets.push(alloc.va + (index * chunk) as u64);
-            }
-        }
+        let (work, targets) = Self::chunk_work(reader, allocs, plan);
         let bytes = allocs.iter().map(|a| a.size).sum();
         if work.is_empty() {
             return Ok((bytes, 0));

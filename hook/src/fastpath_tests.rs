@@ -849,3 +849,88 @@ fn direct_is_not_used_off_tmpfs_or_when_compressing() {
         round_trip(&s, &image, &expected);
     }
 }
+
+#[test]
+fn direct_copy_in_reads_straight_from_the_mapped_image() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = setup_with(direct());
+    let expected = populate_with_duplicates(&s);
+    s.fast.freeze().unwrap();
+    // A direct image (one file) and a staged one (several files, unaligned chunks).
+    let staged = root.path().join("staged");
+    FastPath::new(s.allocator.clone(), s.gate.clone(), pipelined())
+        .copy_out(&staged, None)
+        .unwrap();
+    let image = root.path().join("img");
+    s.fast.copy_out(&image, None).unwrap();
+    for dir in [&image, &staged] {
+        s.fast.release().unwrap();
+        s.fast.remap().unwrap();
+        let before = s.driver.host_stats();
+        let report = s.fast.copy_in(dir).unwrap();
+        let st = s.driver.host_stats();
+        // The zero buffer, then windows of 3 chunks over the data files.
+        assert!(st.registrations - before.registrations > 3, "{st:?}");
+        assert_eq!(report.staging_bytes, CHUNK as u64, "one zero buffer");
+        assert_eq!(st.async_copies - before.async_copies, chunks_of(&expected));
+        assert_eq!(st.pageable_async_copies, 0);
+        assert_eq!(st.unregistered_under_dma, 0);
+        assert!(st.peak_outstanding <= 3);
+        assert_eq!(
+            (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+            (0, 0)
+        );
+        check_memory(&s.driver, &s.allocator, &expected);
+    }
+}
+
+#[test]
+fn direct_copy_in_failures_leave_nothing_behind() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = setup_with(direct());
+    let expected = populate_with_duplicates(&s);
+    s.fast.freeze().unwrap();
+    let image = root.path().join("img");
+    s.fast.copy_out(&image, None).unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    for (call, skip) in [(DriverCall::CopyFromHost, 6), (DriverCall::Wait, 3)] {
+        s.driver.fail_nth(call, skip);
+        let err = s.fast.copy_in(&image).unwrap_err();
+        assert!(
+            matches!(err, FastPathError::Driver(ref e) if e.call == call),
+            "{call:?}: {err}"
+        );
+        assert_eq!(
+            (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+            (0, 0),
+            "{call:?}"
+        );
+        assert_eq!(s.driver.host_stats().unregistered_under_dma, 0);
+    }
+    // A registration failing at a later window: the staged path does it all.
+    s.driver.fail_nth(DriverCall::RegisterHost, 3);
+    s.fast.copy_in(&image).unwrap();
+    assert_eq!(s.driver.registered_ranges(), 0);
+    check_memory(&s.driver, &s.allocator, &expected);
+
+    // A damaged chunk stops it before its copy.
+    let data = std::fs::read_dir(&image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .unwrap();
+    let mut bytes = std::fs::read(&data).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&data, bytes).unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::Image(ImageError::CorruptChunk { .. })),
+        "{err}"
+    );
+    assert_eq!(
+        (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+        (0, 0)
+    );
+}

@@ -134,3 +134,62 @@ impl Drop for DirectMap {
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
+
+/// A data file mapped read-only and shared, for DMA straight from the image (copy-in).
+pub(crate) struct ReadMap {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: read-only memory.
+unsafe impl Send for ReadMap {}
+unsafe impl Sync for ReadMap {}
+
+impl ReadMap {
+    pub(crate) fn new(file: &File, len: usize) -> io::Result<ReadMap> {
+        if len == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "empty data file",
+            ));
+        }
+        // SAFETY: a fresh read-only mapping of a file we hold open.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(ReadMap { ptr, len })
+    }
+
+    pub(crate) fn base(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn slice(&self, offset: u64, len: usize) -> Option<&[u8]> {
+        let end = (offset as usize).checked_add(len)?;
+        // SAFETY: inside the mapping, which nobody writes through.
+        (end <= self.len)
+            .then(|| unsafe { std::slice::from_raw_parts(self.base().add(offset as usize), len) })
+    }
+}
+
+impl Drop for ReadMap {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; its users borrow the `MappedImage` holding it.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}

@@ -51,7 +51,7 @@ pub use manifest::{
     Location, Manifest, ParentRef, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MANIFEST_SUM_FILE,
     MAX_CHUNK_SIZE,
 };
-pub use reader::{AllocationReader, ImageReader};
+pub use reader::{AllocationReader, ImageReader, MappedChunk, MappedImage, MappedRegion};
 pub use sink::AllocationSink;
 pub use staging::{StagingBuf, StagingPin, StagingPool};
 pub use summary::Summary;

@@ -8,12 +8,92 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
+use super::direct::{is_tmpfs, ReadMap};
 use super::error::{ChunkPlace, ImageError};
 use super::layer::{chain_hashes, open_chain, Layer};
 use super::manifest::{Allocation, Codec, ContentHash, ImageId, Location, Manifest};
 use super::staging::{StagingBuf, StagingPool};
 use super::summary::Summary;
+use super::writer::NoDirect;
 use super::AllocId;
+
+/// An image's data files mapped read-only (on tmpfs: the image's own pages), and where
+/// each requested chunk lies in them, for DMA straight from the image
+/// ([`ImageReader::map_chunks`]). Unmapped when dropped.
+pub struct MappedImage {
+    /// One per data file of the chain (`None`: empty, never read).
+    maps: Vec<Option<ReadMap>>,
+    chunks: Vec<MappedChunk>,
+    image: std::path::PathBuf,
+}
+
+/// Where one requested chunk's bytes are.
+#[derive(Debug, Clone)]
+pub struct MappedChunk {
+    /// Uncompressed length.
+    pub len: usize,
+    /// `(map, offset)`: the chunk's bytes in [`MappedImage::region`] `map`; `None` for a
+    /// zero chunk.
+    pub at: Option<(usize, u64)>,
+    crc32c: Option<u32>,
+    place: ChunkPlace,
+}
+
+/// A mapped data file: base and length (what a DMA engine registers).
+#[derive(Debug, Clone, Copy)]
+pub struct MappedRegion {
+    pub base: *const u8,
+    pub len: usize,
+}
+
+impl MappedImage {
+    /// The chunk requested at `i`.
+    pub fn chunk(&self, i: usize) -> &MappedChunk {
+        &self.chunks[i]
+    }
+
+    pub fn len(&self) -> usize {
+        self.chunks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Mapped data file `map`.
+    pub fn region(&self, map: usize) -> Option<MappedRegion> {
+        let m = self.maps.get(map)?.as_ref()?;
+        Some(MappedRegion {
+            base: m.base(),
+            len: m.len(),
+        })
+    }
+
+    /// Checks the CRC32C of chunk `i` where it lies (no copy).
+    pub fn verify(&self, i: usize) -> Result<(), ImageError> {
+        let chunk = &self.chunks[i];
+        let corrupt = |reason: String| ImageError::CorruptChunk {
+            image: self.image.clone(),
+            place: chunk.place.clone(),
+            reason,
+        };
+        let Some((map, offset)) = chunk.at else {
+            return Ok(());
+        };
+        let bytes = self.maps[map]
+            .as_ref()
+            .and_then(|m| m.slice(offset, chunk.len))
+            .ok_or_else(|| corrupt("the chunk lies outside its data file".into()))?;
+        let crc = crc32c::crc32c(bytes);
+        match chunk.crc32c {
+            Some(expected) if expected == crc => Ok(()),
+            expected => Err(corrupt(format!(
+                "CRC32C mismatch (manifest {:#010x}, data {crc:#010x})",
+                expected.unwrap_or_default()
+            ))),
+        }
+    }
+}
 
 /// An open, validated image. Reads take `&self` and may run on several threads.
 pub struct ImageReader {
@@ -218,6 +298,104 @@ impl ImageReader {
                 }
             }
             result
+        })
+    }
+
+    /// Why [`map_chunks`](Self::map_chunks) would refuse, or `None`: every image of the
+    /// chain must be on tmpfs (mapping a disk file would read it through the page cache
+    /// anyway, and its pages cannot be registered) and store chunks raw.
+    pub fn direct_refusal(&self) -> Option<NoDirect> {
+        for layer in &self.layers {
+            if !is_tmpfs(&layer.dir) {
+                return Some(NoDirect::NotTmpfs);
+            }
+            let compressed = layer.manifest.allocations.iter().any(|a| {
+                a.chunks.iter().any(|c| {
+                    matches!(
+                        c.at,
+                        Location::Data {
+                            codec: Codec::Zstd,
+                            ..
+                        }
+                    )
+                })
+            });
+            if compressed {
+                return Some(NoDirect::Compressed);
+            }
+        }
+        None
+    }
+
+    /// Maps every data file of the chain read-only and locates `chunks` (allocation,
+    /// chunk index) in them. Checks nothing of the data: see [`MappedImage::verify`].
+    pub fn map_chunks(&self, chunks: &[(AllocId, usize)]) -> Result<MappedImage, ImageError> {
+        if let Some(why) = self.direct_refusal() {
+            return Err(ImageError::Usage(format!("cannot map the image: {why}")));
+        }
+        let mut maps = Vec::new();
+        let mut first = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            first.push(maps.len());
+            for (file, data) in layer.files.iter().zip(&layer.manifest.files) {
+                let path = layer.dir.join(&data.name);
+                let map = match data.size {
+                    0 => None,
+                    n => {
+                        Some(ReadMap::new(file, n as usize).map_err(|e| ImageError::io(&path, e))?)
+                    }
+                };
+                maps.push(map);
+            }
+        }
+        let mut out = Vec::with_capacity(chunks.len());
+        for &(id, index) in chunks {
+            let alloc = self.alloc(id)?;
+            let chunk = alloc.chunks.get(index).ok_or_else(|| {
+                ImageError::Usage(format!("allocation {:#x} has no chunk {index}", alloc.va))
+            })?;
+            let mut place = ChunkPlace {
+                va: alloc.va,
+                pid: alloc.tags.pid,
+                offset: chunk.offset,
+                file: std::path::PathBuf::new(),
+                file_offset: 0,
+            };
+            let (layer, location) = match (chunk.at, chunk.blake3) {
+                (Location::Zero, _) => {
+                    out.push(MappedChunk {
+                        len: chunk.len as usize,
+                        at: None,
+                        crc32c: None,
+                        place,
+                    });
+                    continue;
+                }
+                (Location::Parent { image }, Some(hash)) => self
+                    .layers
+                    .iter()
+                    .position(|l| l.manifest.id == image)
+                    .and_then(|i| self.layers[i].by_hash.get(&hash).map(|s| (i, s.location)))
+                    .ok_or_else(|| ImageError::Worker("parent reference not resolved".into()))?,
+                (location, _) => (0, location),
+            };
+            let Location::Data { file, offset, .. } = location else {
+                return Err(ImageError::Worker("chunk location is not data".into()));
+            };
+            let l = &self.layers[layer];
+            place.file = l.dir.join(&l.manifest.files[file as usize].name);
+            place.file_offset = offset;
+            out.push(MappedChunk {
+                len: chunk.len as usize,
+                at: Some((first[layer] + file as usize, offset)),
+                crc32c: chunk.crc32c,
+                place,
+            });
+        }
+        Ok(MappedImage {
+            maps,
+            chunks: out,
+            image: self.dir().to_path_buf(),
         })
     }
 
