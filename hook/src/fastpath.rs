@@ -12,6 +12,7 @@
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -331,72 +332,156 @@ impl Pending {
     }
 }
 
-/// The registered part of the direct data file: one window of at most `size` bytes,
-/// moved forward as the copy goes (the caller drains its copies first). Dropping it
-/// unregisters the window.
-struct Window<'d, D: VmmDriver> {
-    driver: &'d D,
-    region: DirectRegion,
+/// Windows registered ahead of the one in use: registering pins (and on fresh tmpfs
+/// pages faults in and zeroes) every page, so the next window is registered on a helper
+/// thread while the copies run in the current one.
+const WINDOWS_AHEAD: usize = 1;
+
+/// Page-disjoint windows of about `size` bytes over `spans` (address, length, group:
+/// one mapping), taken in order (`None`: a span that needs no window); returns the
+/// windows `[start, end)` and each span's window. A window never shares a page with
+/// another (two registrations may not overlap), so one may grow past `size`.
+fn plan_windows(
+    spans: impl IntoIterator<Item = Option<(usize, usize, usize)>>,
     size: usize,
-    /// `[start, end)` registered now.
-    current: Option<(usize, usize)>,
-    /// Windows registered so far.
-    registered: usize,
-    /// Registered as a read-only source (copy-in from a `PROT_READ` mapping).
-    read_only: bool,
+) -> (Vec<(usize, usize)>, Vec<Option<usize>>) {
+    let mut windows: Vec<(usize, usize, usize)> = Vec::new();
+    let mut of = Vec::new();
+    for span in spans {
+        let Some((addr, len, group)) = span else {
+            of.push(None);
+            continue;
+        };
+        let end = addr + len;
+        let grow = windows.last().is_some_and(|&(start, last_end, g)| {
+            g == group
+                && (end <= start.saturating_add(size)
+                    || addr & !(PAGE - 1) < last_end.next_multiple_of(PAGE))
+        });
+        match windows.last_mut() {
+            Some(w) if grow => w.1 = w.1.max(end),
+            _ => windows.push((addr & !(PAGE - 1), end, group)),
+        }
+        of.push(Some(windows.len() - 1));
+    }
+    (windows.into_iter().map(|(s, e, _)| (s, e)).collect(), of)
 }
 
-impl<'d, D: VmmDriver> Window<'d, D> {
-    fn new(driver: &'d D, region: DirectRegion, size: usize) -> Self {
-        Window {
+/// Registered windows of host memory, used in order: [`enter`](Self::enter)`(k)`
+/// unregisters the window in use and returns once window `k` is registered, while a
+/// helper thread registers up to [`WINDOWS_AHEAD`] more. Dropping it unregisters every
+/// window (also those registered ahead). The caller waits for the copies of a window
+/// before leaving it.
+struct Windows<'d, D: VmmDriver> {
+    driver: &'d D,
+    windows: Vec<(usize, usize)>,
+    requests: Option<mpsc::Sender<usize>>,
+    results: mpsc::Receiver<(usize, Result<(), DriverError>)>,
+    requested: usize,
+    /// Registered and not unregistered yet.
+    live: Vec<usize>,
+    current: Option<usize>,
+    /// Windows registered so far.
+    registered: usize,
+}
+
+impl<'d, D: VmmDriver> Windows<'d, D> {
+    fn start<'s>(
+        scope: &'s std::thread::Scope<'s, 'd>,
+        driver: &'d D,
+        windows: Vec<(usize, usize)>,
+        read_only: bool,
+    ) -> Self {
+        let (requests, todo) = mpsc::channel::<usize>();
+        let (done, results) = mpsc::channel();
+        let list = windows.clone();
+        scope.spawn(move || {
+            for k in todo {
+                let (start, end) = list[k];
+                let ptr = start as *mut u8;
+                let result = if read_only {
+                    driver.register_host_read_only(ptr, end - start)
+                } else {
+                    driver.register_host(ptr, end - start)
+                };
+                if done.send((k, result.clone())).is_err() {
+                    if result.is_ok() {
+                        let _ = driver.unregister_host(ptr);
+                    }
+                    return;
+                }
+            }
+        });
+        Windows {
             driver,
-            region,
-            size: size.max(1),
+            windows,
+            requests: Some(requests),
+            results,
+            requested: 0,
+            live: Vec::new(),
             current: None,
             registered: 0,
-            read_only: false,
         }
     }
 
-    fn covers(&self, at: usize, len: usize) -> bool {
+    fn current(&self) -> Option<usize> {
         self.current
-            .is_some_and(|(start, end)| at >= start && at + len <= end)
     }
 
-    /// Unregisters the current window and registers one that starts at the page of
-    /// `at` and holds at least `[at, at + len)`.
-    fn advance(&mut self, at: usize, len: usize) -> Result<(), DriverError> {
-        self.release();
-        let start = at & !(PAGE - 1);
-        let end = (at + len)
-            .max(start.saturating_add(self.size))
-            .min(self.region.len);
-        // SAFETY: `start` lies inside the mapping.
-        let ptr = unsafe { self.region.base.add(start) };
-        if self.read_only {
-            self.driver.register_host_read_only(ptr, end - start)?;
-        } else {
-            self.driver.register_host(ptr, end - start)?;
+    fn enter(&mut self, k: usize) -> Result<(), DriverError> {
+        if let Some(c) = self.current.take() {
+            self.unregister(c);
         }
-        self.current = Some((start, end));
-        self.registered += 1;
-        Ok(())
-    }
-
-    fn release(&mut self) {
-        if let Some((start, _)) = self.current.take() {
-            // SAFETY: only the address of the window registered by `advance`.
-            let ptr = unsafe { self.region.base.add(start) };
-            if let Err(e) = self.driver.unregister_host(ptr) {
-                tracing::warn!(error = %e, "cannot unregister a direct data file window");
+        let last = (k + WINDOWS_AHEAD).min(self.windows.len() - 1);
+        while self.requested <= last {
+            if let Some(tx) = &self.requests {
+                let _ = tx.send(self.requested);
+            }
+            self.requested += 1;
+        }
+        loop {
+            let gone = DriverError {
+                call: crate::driver::DriverCall::RegisterHost,
+                code: crate::driver::CUDA_ERROR_INVALID_VALUE,
+            };
+            let (i, result) = self.results.recv().map_err(|_| gone)?;
+            match result {
+                Ok(()) => {
+                    self.live.push(i);
+                    self.registered += 1;
+                    if i == k {
+                        self.current = Some(k);
+                        return Ok(());
+                    }
+                }
+                Err(e) if i == k => return Err(e),
+                // A window before `k` that was skipped failed: nothing to undo.
+                Err(_) => {}
             }
         }
     }
+
+    fn unregister(&mut self, k: usize) {
+        self.live.retain(|&i| i != k);
+        if let Err(e) = self.driver.unregister_host(self.windows[k].0 as *mut u8) {
+            tracing::warn!(error = %e, "cannot unregister a window");
+        }
+    }
 }
 
-impl<D: VmmDriver> Drop for Window<'_, D> {
+impl<D: VmmDriver> Drop for Windows<'_, D> {
     fn drop(&mut self) {
-        self.release();
+        // The helper stops after the requests sent; undo what it registered.
+        self.requests = None;
+        self.current = None;
+        while let Ok((i, result)) = self.results.recv() {
+            if result.is_ok() {
+                self.live.push(i);
+            }
+        }
+        for k in std::mem::take(&mut self.live) {
+            self.unregister(k);
+        }
     }
 }
 
@@ -451,6 +536,100 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     fn pin(&self) -> Option<Arc<dyn StagingPin>> {
         let pin = DriverPin(self.allocator.driver().clone());
         self.opts.pin.then(|| Arc::new(pin) as Arc<dyn StagingPin>)
+    }
+
+    /// The copy-out's loop: every chunk DMA'd into a staging buffer or, with `region`,
+    /// straight into its place in the direct data file (registered window by window on
+    /// a helper thread of `scope`), committed to the writer when its copy is done.
+    /// Returns the bytes copied and the windows registered.
+    fn copy_chunks_out<'s, 'd>(
+        &'d self,
+        scope: &'s std::thread::Scope<'s, 'd>,
+        writer: &mut ImageWriter,
+        allocs: &[Allocation],
+        ids: &[AllocId],
+        region: Option<DirectRegion>,
+    ) -> Result<(u64, usize), FastPathError> {
+        let chunk_size = self.opts.image.chunk_size;
+        let mut plan = None;
+        if let Some(region) = region {
+            let mut spans = Vec::new();
+            for (alloc, id) in allocs.iter().zip(ids) {
+                for offset in (0..alloc.size).step_by(chunk_size) {
+                    let (at, len) = writer.direct_place(*id, offset)?;
+                    spans.push(Some((region.base as usize + at as usize, len, 0)));
+                }
+            }
+            plan = Some(plan_windows(spans, self.opts.direct_window));
+        }
+        // Unregistered (after the copies are waited for) before the writer can go.
+        let mut windows = plan
+            .as_mut()
+            .map(|(w, _)| Windows::start(scope, self.driver(), std::mem::take(w), false));
+        let of = plan.map(|(_, of)| of).unwrap_or_default();
+        let mut registered = 0;
+        // Declared after the windows: dropped first, so every copy is waited for before
+        // a buffer or window can go.
+        let mut flight: InFlight<D, Pending> = InFlight::new(
+            self.driver(),
+            self.opts.streams.min(self.opts.image.max_in_flight),
+        );
+        let mut bytes = 0;
+        let mut n = 0;
+        for (alloc, id) in allocs.iter().zip(ids) {
+            for offset in (0..alloc.size).step_by(chunk_size) {
+                // Only stage when a buffer can be had without waiting on our own copies.
+                if flight.is_full() {
+                    if let Some(done) = flight.complete_oldest()? {
+                        done.commit(writer)?;
+                    }
+                }
+                let mut pending = None;
+                if let Some(win) = windows.as_mut() {
+                    let k = of[n].expect("every chunk has a window");
+                    if win.current() != Some(k) {
+                        // No copy may still target the window that goes.
+                        while let Some(done) = flight.complete_oldest()? {
+                            done.commit(writer)?;
+                        }
+                        if let Err(e) = win.enter(k) {
+                            tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
+                            registered = win.registered;
+                            windows = None;
+                        }
+                    }
+                    if windows.is_some() {
+                        pending = Some(Pending::Direct(writer.stage_direct(*id, offset)?));
+                    }
+                }
+                n += 1;
+                let pending = match pending {
+                    Some(p) => p,
+                    None => Pending::Staged(writer.stage(*id, offset)?),
+                };
+                let done = flight.start(pending, |pending, stream| {
+                    let (dst, len) = pending.target();
+                    // SAFETY: the staged buffer or direct range stays in `flight` (the
+                    // writer and the windows outlive it) until its stream is waited for.
+                    unsafe {
+                        self.driver()
+                            .copy_to_host_async(alloc.va + offset, dst, len, stream)
+                    }
+                })?;
+                if let Some(done) = done {
+                    done.commit(writer)?;
+                }
+            }
+            bytes += alloc.size;
+        }
+        while let Some(done) = flight.complete_oldest()? {
+            done.commit(writer)?;
+        }
+        drop(flight);
+        if let Some(w) = &windows {
+            registered = w.registered;
+        }
+        Ok((bytes, registered))
     }
 
     /// The mapped direct data file when direct copy-out is asked for and possible.
@@ -511,64 +690,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
             .collect::<Result<Vec<_>, _>>()?;
         let region = self.direct_region(&mut writer)?;
-        // Declared after the writer: unregistered before the direct file is unmapped.
-        let mut window = region.map(|r| Window::new(self.driver(), r, self.opts.direct_window));
-        // Declared after the window and the writer: dropped first, so every copy is
-        // waited for before a buffer or window can go.
-        let mut flight: InFlight<D, Pending> =
-            InFlight::new(self.driver(), self.opts.streams.min(opts.max_in_flight));
-        let mut bytes = 0;
-        for (alloc, id) in allocs.iter().zip(&ids) {
-            for offset in (0..alloc.size).step_by(opts.chunk_size) {
-                // Only stage when a buffer can be had without waiting on our own copies.
-                if flight.is_full() {
-                    if let Some(done) = flight.complete_oldest()? {
-                        done.commit(&mut writer)?;
-                    }
-                }
-                let mut pending = None;
-                if let Some(win) = window.as_mut() {
-                    let chunk = writer.stage_direct(*id, offset)?;
-                    let (at, len) = (chunk.file_offset() as usize, chunk.len());
-                    if !win.covers(at, len) {
-                        // No copy may still target the window that goes.
-                        while let Some(done) = flight.complete_oldest()? {
-                            done.commit(&mut writer)?;
-                        }
-                        if let Err(e) = win.advance(at, len) {
-                            tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
-                            window = None;
-                        }
-                    }
-                    if window.is_some() {
-                        pending = Some(Pending::Direct(chunk));
-                    }
-                }
-                let pending = match pending {
-                    Some(p) => p,
-                    None => Pending::Staged(writer.stage(*id, offset)?),
-                };
-                let done = flight.start(pending, |pending, stream| {
-                    let (dst, len) = pending.target();
-                    // SAFETY: the staged buffer or direct range stays in `flight` (the
-                    // writer and the window outlive it) until its stream is waited for.
-                    unsafe {
-                        self.driver()
-                            .copy_to_host_async(alloc.va + offset, dst, len, stream)
-                    }
-                })?;
-                if let Some(done) = done {
-                    done.commit(&mut writer)?;
-                }
-            }
-            bytes += alloc.size;
-        }
-        while let Some(done) = flight.complete_oldest()? {
-            done.commit(&mut writer)?;
-        }
-        drop(flight);
-        let windows = window.as_ref().map_or(0, |w| w.registered);
-        drop(window);
+        let (bytes, windows) = std::thread::scope(|scope| {
+            self.copy_chunks_out(scope, &mut writer, &allocs, &ids, region)
+        })?;
         let stats = writer.stats();
         writer.finish()?;
         *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
@@ -771,7 +895,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     ready.notify_all();
                 });
             }
-            let result = self.copy_mapped(&mapped, &order, &targets, zero_ptr, |k| {
+            let result = self.copy_mapped(scope, &mapped, &order, &targets, zero_ptr, |k| {
                 let mut v = verdicts.lock().unwrap_or_else(|p| p.into_inner());
                 loop {
                     if let Some(verdict) = v[k].take() {
@@ -799,50 +923,46 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// in `order`, waits for its verdict (`verified(k)`), moves the registered window
     /// along and issues its copy. `Ok(false)`: a registration failed, nothing is left
     /// registered or in flight.
-    fn copy_mapped(
-        &self,
+    fn copy_mapped<'s, 'd>(
+        &'d self,
+        scope: &'s std::thread::Scope<'s, 'd>,
         mapped: &MappedImage,
         order: &[usize],
         targets: &[DevicePtr],
         zero: *const u8,
         verified: impl Fn(usize) -> Result<(), ImageError>,
     ) -> Result<bool, DirectInError> {
+        // Where each chunk lies (`None`: zero, or a file not mapped, which `verify`
+        // refuses before any copy).
+        let source = |i: usize| {
+            let c = mapped.chunk(i);
+            let (map, offset) = c.at?;
+            let region = mapped.region(map)?;
+            Some((region.base as usize + offset as usize, c.len, map))
+        };
+        let (list, of) = plan_windows(order.iter().map(|&i| source(i)), self.opts.direct_window);
         // Declared before `flight`: unregistered only after every copy is waited for.
-        let mut window: Option<(usize, Window<D>)> = None;
+        let mut windows = Windows::start(scope, self.driver(), list, true);
         let mut flight: InFlight<D, ()> = InFlight::new(self.driver(), self.opts.streams);
         for (k, &i) in order.iter().enumerate() {
             verified(k).map_err(DirectInError::Corrupt)?;
             let c = mapped.chunk(i);
-            let src = match c.at {
-                None => zero,
-                Some((map, offset)) => {
-                    // `verify` found the chunk inside a mapped file, so this holds.
-                    let region = mapped.region(map).ok_or_else(|| {
-                        DirectInError::Corrupt(ImageError::Worker(format!(
-                            "data file {map} not mapped"
-                        )))
-                    })?;
-                    let at = offset as usize;
-                    let covered = window
-                        .as_ref()
-                        .is_some_and(|(m, w)| *m == map && w.covers(at, c.len));
-                    if !covered {
+            let src = match (c.at, source(i), of[k]) {
+                (None, _, _) => zero,
+                (Some(_), Some((addr, _, _)), Some(w)) => {
+                    if windows.current() != Some(w) {
                         while flight.complete_oldest()?.is_some() {}
-                        drop(window.take());
-                        let whole = DirectRegion {
-                            base: region.base.cast_mut(),
-                            len: region.len,
-                        };
-                        let mut w = Window::new(self.driver(), whole, self.opts.direct_window);
-                        w.read_only = true;
-                        if let Err(e) = w.advance(at, c.len) {
+                        if let Err(e) = windows.enter(w) {
                             tracing::warn!(error = %e, "cannot register the mapped image; copy-in goes through staging");
                             return Ok(false);
                         }
-                        window = Some((map, w));
                     }
-                    // SAFETY: inside the mapping (checked by `verify`).
-                    unsafe { region.base.add(at) }
+                    addr as *const u8
+                }
+                _ => {
+                    return Err(DirectInError::Corrupt(ImageError::Worker(format!(
+                        "chunk {i} lies in no mapped file"
+                    ))))
                 }
             };
             flight.start((), |_, stream| {

@@ -422,15 +422,12 @@ impl ImageWriter {
     /// The place in the direct data file of the chunk at `offset` of `alloc`: DMA into
     /// it, then [`commit_direct`](Self::commit_direct) it.
     pub fn stage_direct(&mut self, alloc: AllocId, offset: u64) -> Result<DirectChunk, ImageError> {
-        let (index, len) = self.slot(alloc, offset)?;
+        let (at, len) = self.direct_place(alloc, offset)?;
+        let index = (offset / self.opts.chunk_size as u64) as usize;
         let direct = self
             .direct
             .as_ref()
             .ok_or_else(|| ImageError::Usage("no direct data file".into()))?;
-        let at = *self.allocations[alloc.0]
-            .direct_at
-            .get(index)
-            .ok_or_else(|| ImageError::Usage("allocation begun after start_direct".into()))?;
         // SAFETY: `at + len` lies inside the mapping (laid out by `start_direct`).
         let ptr = unsafe { direct.map.base().add(at as usize) };
         Ok(DirectChunk {
@@ -441,6 +438,20 @@ impl ImageWriter {
             at,
             ptr,
         })
+    }
+
+    /// Where the chunk at `offset` of `alloc` goes in the direct data file, and its
+    /// length (to plan registrations before the copies).
+    pub fn direct_place(&self, alloc: AllocId, offset: u64) -> Result<(u64, usize), ImageError> {
+        let (index, len) = self.slot(alloc, offset)?;
+        if self.direct.is_none() {
+            return Err(ImageError::Usage("no direct data file".into()));
+        }
+        let at = *self.allocations[alloc.0]
+            .direct_at
+            .get(index)
+            .ok_or_else(|| ImageError::Usage("allocation begun after start_direct".into()))?;
+        Ok((at, len))
     }
 
     /// Hands a chunk whose bytes are in the direct data file to the workers.
