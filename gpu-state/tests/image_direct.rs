@@ -284,3 +284,38 @@ fn mapped_chunks_are_the_image_bytes_and_checked_in_place() {
         assert_eq!(reader.direct_refusal(), Some(NoDirect::NotTmpfs));
     }
 }
+
+#[test]
+fn the_direct_file_is_allocated_up_front_and_trimmed_on_request() {
+    let Some(root) = tmpfs_dir() else { return };
+    let mut w = ImageWriter::create(&root.path().join("img"), None, opts()).unwrap();
+    let id = w
+        .begin_allocation(0x1000, 4 * CHUNK as u64, Default::default())
+        .unwrap();
+    w.start_direct().unwrap();
+    let temp = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .next()
+        .unwrap();
+    let file = temp.join("data-direct.bin");
+    let blocks = || std::fs::metadata(&file).unwrap().blocks() * 512;
+    assert_eq!(blocks(), 4 * CHUNK as u64, "fallocated");
+    let (at, _) = w.direct_place(id, CHUNK as u64).unwrap();
+    w.trim_direct(at).unwrap();
+    assert_eq!(blocks(), CHUNK as u64, "the rest given back");
+    // The first chunk still goes direct; the others staged.
+    let chunk = w.stage_direct(id, 0).unwrap();
+    // SAFETY: the chunk's place, ours until committed.
+    unsafe { std::ptr::write_bytes(chunk.as_mut_ptr(), 3, chunk.len()) };
+    w.commit_direct(chunk).unwrap();
+    for i in 1..4 {
+        w.write_chunk(id, (i * CHUNK) as u64, &vec![i as u8; CHUNK])
+            .unwrap();
+    }
+    w.finish().unwrap();
+    let reader = ImageReader::open(&root.path().join("img")).unwrap();
+    let back = read_back(&reader, 0x1000, None).unwrap();
+    assert!(back[..CHUNK].iter().all(|&b| b == 3));
+    assert!(back[3 * CHUNK..].iter().all(|&b| b == 3));
+}

@@ -596,6 +596,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                             tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
                             registered = win.registered;
                             windows = None;
+                            writer.trim_direct(writer.direct_place(*id, offset)?.0)?;
                         }
                     }
                     if windows.is_some() {

@@ -454,6 +454,25 @@ impl ImageWriter {
         Ok((at, len))
     }
 
+    /// Gives back the pages of the direct data file from `from` (a chunk's place) on:
+    /// the caller sends no more chunks there (e.g. it fell back to staging), so they need
+    /// not hold tmpfs memory until [`finish`](Self::finish) cuts the file.
+    pub fn trim_direct(&self, from: u64) -> Result<(), ImageError> {
+        let direct = self
+            .direct
+            .as_ref()
+            .ok_or_else(|| ImageError::Usage("no direct data file".into()))?;
+        let len = (direct.map.len() as u64).saturating_sub(from) as usize;
+        if len > 0 {
+            let path = self.temp.join(DIRECT_FILE);
+            direct
+                .map
+                .punch(from, len)
+                .map_err(|e| ImageError::io(&path, e))?;
+        }
+        Ok(())
+    }
+
     /// Hands a chunk whose bytes are in the direct data file to the workers.
     pub fn commit_direct(&mut self, chunk: DirectChunk) -> Result<(), ImageError> {
         self.slot(chunk.alloc, chunk.offset)?;
