@@ -641,6 +641,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if !self.opts.direct {
             return Ok(None);
         }
+        if !self.opts.pin {
+            tracing::info!("direct copy-out not used: pinning is off");
+            return Ok(None);
+        }
         if let Some(why) = writer.direct_refusal() {
             if why != NoDirect::Empty {
                 tracing::info!(reason = %why, "direct copy-out not used");
@@ -850,6 +854,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         plan: &[AllocId],
     ) -> Result<Option<(u64, u64)>, FastPathError> {
         if !self.opts.direct {
+            return Ok(None);
+        }
+        if !self.opts.pin {
+            tracing::info!("direct copy-in not used: pinning is off");
             return Ok(None);
         }
         if let Some(why) = reader.direct_refusal() {

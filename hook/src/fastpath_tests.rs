@@ -966,3 +966,20 @@ fn windows_are_page_disjoint_and_bounded() {
     assert_eq!(w[0], (0x20_0000, 0x20_0000 + 4 * P + 100));
     assert_eq!(w[1], (0x30_0000, 0x30_0000 + 10));
 }
+
+#[test]
+fn direct_needs_pinning() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = setup_with(FastPathOptions {
+        pin: false,
+        ..direct()
+    });
+    let expected = populate(&s);
+    s.fast.freeze().unwrap();
+    let image = root.path().join("img");
+    s.fast.copy_out(&image, None).unwrap();
+    round_trip(&s, &image, &expected);
+    let st = s.driver.host_stats();
+    assert_eq!(st.registrations, 0);
+    assert_eq!(st.pageable_async_copies, st.async_copies);
+}
