@@ -337,14 +337,19 @@ impl Pending {
 /// thread while the copies run in the current one.
 const WINDOWS_AHEAD: usize = 1;
 
+/// A span's window and the bytes at its start (`head`) that lie before it.
+type SpanWindow = (usize, usize);
+
 /// Page-disjoint windows of about `size` bytes over `spans` (address, length, group:
 /// one mapping), taken in order (`None`: a span that needs no window); returns the
-/// windows `[start, end)` and each span's window. A window never shares a page with
-/// another (two registrations may not overlap), so one may grow past `size`.
+/// windows `[start, end)` and for each span its window and `head`: bytes at its start
+/// that lie in the page of the previous window (two registrations may not share a
+/// page), to be copied apart. Spans whose start shares a page are unaligned chunks of a
+/// staged image; a span within one shared page joins the previous window.
 fn plan_windows(
     spans: impl IntoIterator<Item = Option<(usize, usize, usize)>>,
     size: usize,
-) -> (Vec<(usize, usize)>, Vec<Option<usize>>) {
+) -> (Vec<(usize, usize)>, Vec<Option<SpanWindow>>) {
     let mut windows: Vec<(usize, usize, usize)> = Vec::new();
     let mut of = Vec::new();
     for span in spans {
@@ -353,16 +358,30 @@ fn plan_windows(
             continue;
         };
         let end = addr + len;
-        let grow = windows.last().is_some_and(|&(start, last_end, g)| {
-            g == group
-                && (end <= start.saturating_add(size)
-                    || addr & !(PAGE - 1) < last_end.next_multiple_of(PAGE))
-        });
+        let mut head = 0;
+        let mut start = addr & !(PAGE - 1);
         match windows.last_mut() {
-            Some(w) if grow => w.1 = w.1.max(end),
-            _ => windows.push((addr & !(PAGE - 1), end, group)),
+            Some(w) if w.2 == group && end <= w.0.saturating_add(size) => {
+                w.1 = w.1.max(end);
+                // A duplicate of a chunk whose head went apart starts before the window.
+                let head = w.0.saturating_sub(addr).min(len);
+                of.push(Some((windows.len() - 1, head)));
+                continue;
+            }
+            Some(w) if w.2 == group && start < w.1.next_multiple_of(PAGE) => {
+                let next = w.1.next_multiple_of(PAGE);
+                if next >= end {
+                    w.1 = w.1.max(end);
+                    of.push(Some((windows.len() - 1, 0)));
+                    continue;
+                }
+                head = next - addr;
+                start = next;
+            }
+            _ => {}
         }
-        of.push(Some(windows.len() - 1));
+        windows.push((start, end, group));
+        of.push(Some((windows.len() - 1, head)));
     }
     (windows.into_iter().map(|(s, e, _)| (s, e)).collect(), of)
 }
@@ -586,7 +605,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 }
                 let mut pending = None;
                 if let Some(win) = windows.as_mut() {
-                    let k = of[n].expect("every chunk has a window");
+                    // Direct places are page aligned: no head.
+                    let (k, _) = of[n].expect("every chunk has a window");
                     if win.current() != Some(k) {
                         // No copy may still target the window that goes.
                         while let Some(done) = flight.complete_oldest()? {
@@ -956,9 +976,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         for (k, &i) in order.iter().enumerate() {
             verified(k).map_err(DirectInError::Corrupt)?;
             let c = mapped.chunk(i);
+            let (mut target, mut len) = (targets[i], c.len);
             let src = match (c.at, source(i), of[k]) {
                 (None, _, _) => zero,
-                (Some(_), Some((addr, _, _)), Some(w)) => {
+                (Some(_), Some((addr, _, _)), Some((w, head))) => {
                     if windows.current() != Some(w) {
                         while flight.complete_oldest()?.is_some() {}
                         if let Err(e) = windows.enter(w) {
@@ -966,7 +987,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                             return Ok(false);
                         }
                     }
-                    addr as *const u8
+                    if head > 0 {
+                        // Less than a page, in the previous window's last page: a plain
+                        // synchronous copy.
+                        // SAFETY: inside the mapping, which nobody writes.
+                        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, head) };
+                        self.driver().copy_from_host(target, bytes)?;
+                        target += head as u64;
+                        len -= head;
+                    }
+                    (addr + head) as *const u8
                 }
                 _ => {
                     return Err(DirectInError::Corrupt(ImageError::Worker(format!(
@@ -974,13 +1004,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     ))))
                 }
             };
+            if len == 0 {
+                continue;
+            }
             flight.start((), |_, stream| {
                 // SAFETY: the mapping (or zero buffer) outlives `flight`, and nobody
                 // writes it.
-                unsafe {
-                    self.driver()
-                        .copy_from_host_async(targets[i], src, c.len, stream)
-                }
+                unsafe { self.driver().copy_from_host_async(target, src, len, stream) }
             })?;
         }
         while flight.complete_oldest()?.is_some() {}

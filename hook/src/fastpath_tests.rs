@@ -718,7 +718,8 @@ fn direct_copy_out_writes_the_staged_image_without_zeros_or_duplicates() {
     let before = s.driver.host_stats();
 
     let image = root.path().join("img");
-    s.fast.copy_out(&image, None).unwrap();
+    let out = s.fast.copy_out(&image, None).unwrap();
+    assert_eq!(out.peak_staging_bytes, 0, "no chunk staged");
     assert_eq!(full_records(&image), full_records(&reference));
     let records = full_records(&image);
     assert!(records.iter().flat_map(|a| &a.1).any(|c| c.4 == "zero"));
@@ -873,10 +874,13 @@ fn direct_copy_in_reads_straight_from_the_mapped_image() {
         let report = s.fast.copy_in(dir).unwrap();
         let st = s.driver.host_stats();
         // The zero buffer, then windows of 3 chunks over the data files.
-        assert!(st.registrations - before.registrations > 3, "{st:?}");
+        assert!(
+            st.registrations - before.registrations > 3,
+            "{dir:?} {before:?} {st:?}"
+        );
         assert_eq!(report.staging_bytes, CHUNK as u64, "one zero buffer");
         assert_eq!(st.async_copies - before.async_copies, chunks_of(&expected));
-        assert_eq!(st.pageable_async_copies, 0);
+        assert_eq!(st.pageable_async_copies, 0, "{dir:?}");
         assert_eq!(st.unregistered_under_dma, 0);
         assert!(st.peak_outstanding <= 3);
         assert_eq!(
@@ -952,19 +956,30 @@ fn windows_are_page_disjoint_and_bounded() {
             (0x10_0000 + 12 * P, 0x10_0000 + 15 * P)
         ]
     );
-    assert_eq!(of, vec![Some(0), Some(0), Some(1), Some(1), Some(2)]);
-    // Unaligned spans sharing a page stay in one window; a new group starts a new one;
-    // `None` needs none.
+    let one = |w| Some((w, 0));
+    assert_eq!(of, vec![one(0), one(0), one(1), one(1), one(2)]);
+    // An unaligned span starting in the previous window's last page: its head is
+    // copied apart and the window starts at the next page; a span inside that page
+    // joins the previous window; a new group starts a new one; `None` needs none.
+    let b = 0x20_0000;
     let spans = [
         None,
-        Some((0x20_0000, 2 * P + 100, 0)),
-        Some((0x20_0000 + 2 * P + 100, 2 * P, 0)),
+        Some((b, 2 * P + 100, 0)),
+        Some((b + 2 * P + 100, 2 * P, 0)),
+        Some((b + 4 * P + 100, 10, 0)),
+        // A duplicate of the split one: split the same way.
+        Some((b + 2 * P + 100, 2 * P, 0)),
         Some((0x30_0000, 10, 1)),
     ];
     let (w, of) = plan_windows(spans, 2 * P);
-    assert_eq!(of, vec![None, Some(0), Some(0), Some(1)]);
-    assert_eq!(w[0], (0x20_0000, 0x20_0000 + 4 * P + 100));
-    assert_eq!(w[1], (0x30_0000, 0x30_0000 + 10));
+    let split = Some((1, P - 100));
+    assert_eq!(of, vec![None, one(0), split, one(1), split, one(2)]);
+    assert_eq!(w[0], (b, b + 2 * P + 100));
+    assert_eq!(w[1], (b + 3 * P, b + 4 * P + 110));
+    assert_eq!(w[2], (0x30_0000, 0x30_0000 + 10));
+    for pair in w.windows(2) {
+        assert!(pair[0].1.next_multiple_of(P) <= pair[1].0, "{w:x?}");
+    }
 }
 
 #[test]
