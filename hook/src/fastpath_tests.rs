@@ -998,3 +998,40 @@ fn direct_needs_pinning() {
     assert_eq!(st.registrations, 0);
     assert_eq!(st.pageable_async_copies, st.async_copies);
 }
+
+#[test]
+fn direct_delta_images_refer_to_their_parent() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = setup_with(direct());
+    let mut expected = populate_with_duplicates(&s);
+    let (full, delta) = (root.path().join("full"), root.path().join("delta"));
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&full, None).unwrap();
+    s.fast.thaw().unwrap();
+    let (va, data) = &mut expected[3];
+    data[5] ^= 0xff;
+    s.driver.copy_from_host(*va, data).unwrap();
+    s.fast.freeze().unwrap();
+    let reference = root.path().join("ref");
+    FastPath::new(s.allocator.clone(), s.gate.clone(), pipelined())
+        .copy_out(&reference, Some(&full))
+        .unwrap();
+    s.fast.copy_out(&delta, Some(&full)).unwrap();
+    assert_eq!(full_records(&delta), full_records(&reference));
+    // One chunk changed: one stored, the rest zero or in the parent.
+    let m = ImageReader::open(&delta).unwrap().manifest().clone();
+    let stored = m
+        .allocations
+        .iter()
+        .flat_map(|a| &a.chunks)
+        .filter(|c| matches!(c.at, gpu_state::image::Location::Data { .. }))
+        .count();
+    assert_eq!(stored, 1);
+    // The direct file keeps its layout (cut after that chunk), the rest are holes.
+    assert_eq!(data_usage(&delta).0, CHUNK as u64);
+    round_trip(&s, &delta, &expected);
+    assert_eq!(
+        (s.driver.outstanding_copies(), s.driver.registered_ranges()),
+        (0, 0)
+    );
+}

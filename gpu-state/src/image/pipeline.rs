@@ -15,7 +15,7 @@ use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use super::direct::DirectMap;
+use super::direct::{DirectMap, DIRECT_ALIGN};
 use super::manifest::{Codec, Compression, ContentHash, DataFile, ImageId, Location};
 use super::staging::{StagingBuf, StagingPool};
 
@@ -303,7 +303,10 @@ impl Worker {
     /// A direct chunk that is not stored: its pages go back to tmpfs.
     fn unplace(&self, job: &Job) -> Result<(), String> {
         if let JobData::Direct { map, at, .. } = &job.data {
-            map.punch(*at, job.len)
+            // The place runs to the next page (places are page aligned): punch whole
+            // pages, or a short chunk's page would stay allocated.
+            let len = (job.len as u64).next_multiple_of(DIRECT_ALIGN) as usize;
+            map.punch(*at, len)
                 .map_err(|e| format!("punching a hole in the direct data file: {e}"))?;
         }
         Ok(())
