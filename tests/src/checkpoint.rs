@@ -82,6 +82,37 @@ impl Containerd {
         Ok(self.ctr_ok(&["content", "get", digest])?.stdout_bytes)
     }
 
+    /// The files of checkpoint image `reference`'s CRIU tar, by path (no leading `./`).
+    pub fn checkpoint_files(
+        &self,
+        reference: &str,
+    ) -> Result<std::collections::BTreeMap<String, Vec<u8>>> {
+        use std::io::Read;
+        let index: Value = serde_json::from_slice(&self.content(&self.image_digest(reference)?)?)?;
+        let digest = index["manifests"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|d| d["mediaType"] == MEDIA_CRIU_TAR)
+            .and_then(|d| d["digest"].as_str())
+            .ok_or_else(|| HarnessError::Unexpected(format!("{reference} has no CRIU tar")))?
+            .to_owned();
+        let tar = self.content(&digest)?;
+        let io = HarnessError::io("reading the CRIU tar of", reference);
+        let read = || -> std::io::Result<std::collections::BTreeMap<String, Vec<u8>>> {
+            let mut files = std::collections::BTreeMap::new();
+            for entry in tar::Archive::new(tar.as_slice()).entries()? {
+                let mut entry = entry?;
+                let path = entry.path()?.to_string_lossy().into_owned();
+                let mut data = Vec::new();
+                entry.read_to_end(&mut data)?;
+                files.insert(path.trim_start_matches("./").to_owned(), data);
+            }
+            Ok(files)
+        };
+        read().map_err(io)
+    }
+
     /// Restores container `id` (which must not exist) from a `ctr task checkpoint` image.
     pub fn restore_task_checkpoint(&self, id: &str, checkpoint: &str, rw: bool) -> Result<()> {
         let index: Value = serde_json::from_slice(&self.content(&self.image_digest(checkpoint)?)?)?;

@@ -10,14 +10,11 @@
 //! Only meaningful for gpucr: with `GPUCR_TEST_RUNTIME` set to another runtime they pass
 //! without doing anything.
 
-use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, LOCKED, RUNNING};
-use gpucr_tests::image::MEDIA_CRIU_TAR;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
@@ -213,29 +210,6 @@ impl Gpu {
     }
 }
 
-/// Files of a `ctr task checkpoint` image's CRIU tar.
-fn stored_checkpoint_files(ctd: &Containerd, name: &str) -> BTreeMap<String, Vec<u8>> {
-    let index: Value =
-        serde_json::from_slice(&ctd.content(&ctd.image_digest(name).unwrap()).unwrap()).unwrap();
-    let digest = index["manifests"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|d| d["mediaType"] == MEDIA_CRIU_TAR)
-        .and_then(|d| d["digest"].as_str())
-        .unwrap_or_else(|| panic!("{name} has no CRIU tar: {index}"));
-    let tar = ctd.content(digest).unwrap();
-    let mut files = BTreeMap::new();
-    for entry in tar::Archive::new(tar.as_slice()).entries().unwrap() {
-        let mut entry = entry.unwrap();
-        let path = entry.path().unwrap().to_string_lossy().into_owned();
-        let mut data = Vec::new();
-        entry.read_to_end(&mut data).unwrap();
-        files.insert(path.trim_start_matches("./").to_owned(), data);
-    }
-    files
-}
-
 fn unix_ms(t: std::time::SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
 }
@@ -295,7 +269,7 @@ fn leave_running_checkpoint_quiesces_around_the_dump() {
     let after = g.ctd.read_counter(&id).unwrap();
     g.ctd.wait_counter_above(&id, after).unwrap();
 
-    let files = stored_checkpoint_files(&g.ctd, &stored);
+    let files = g.ctd.checkpoint_files(&stored).unwrap();
     let record: Value = serde_json::from_slice(
         files
             .get("gpucr-gpu.json")

@@ -14,14 +14,12 @@
 //! in gpu_fake.rs; the program is a CUDA process for the driver path only where a test's
 //! script says so. Only meaningful for gpucr.
 
-use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use gpucr_tests::fake_cuda::{self, FakeCuda};
-use gpucr_tests::image::{BusyboxImage, LayerFile, MEDIA_CRIU_TAR};
+use gpucr_tests::image::{BusyboxImage, LayerFile};
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
@@ -269,29 +267,6 @@ fn env_of(config: &Value, key: &str) -> Option<String> {
         .find_map(|e| e.strip_prefix(&prefix).map(str::to_owned))
 }
 
-/// Files of a `ctr task checkpoint` image's CRIU tar.
-fn stored_checkpoint_files(ctd: &Containerd, name: &str) -> BTreeMap<String, Vec<u8>> {
-    let index: Value =
-        serde_json::from_slice(&ctd.content(&ctd.image_digest(name).unwrap()).unwrap()).unwrap();
-    let digest = index["manifests"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|d| d["mediaType"] == MEDIA_CRIU_TAR)
-        .and_then(|d| d["digest"].as_str())
-        .unwrap_or_else(|| panic!("{name} has no CRIU tar: {index}"));
-    let tar = ctd.content(digest).unwrap();
-    let mut files = BTreeMap::new();
-    for entry in tar::Archive::new(tar.as_slice()).entries().unwrap() {
-        let mut entry = entry.unwrap();
-        let path = entry.path().unwrap().to_string_lossy().into_owned();
-        let mut data = Vec::new();
-        entry.read_to_end(&mut data).unwrap();
-        files.insert(path.trim_start_matches("./").to_owned(), data);
-    }
-    files
-}
-
 /// Checks `gpucr-hook.json` (text) lists namespace pid 1 with all the program's bytes.
 fn assert_hook_record(record: &[u8]) {
     let record: Value = serde_json::from_slice(record).unwrap();
@@ -360,7 +335,7 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
         .task_checkpoint(&id, &[])
         .expect("ctr task checkpoint")
         .expect("checkpoint image stored");
-    let files = stored_checkpoint_files(&g.ctd, &stored);
+    let files = g.ctd.checkpoint_files(&stored).unwrap();
     assert_hook_record(
         files
             .get("gpucr-hook.json")
