@@ -12,7 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use gpu_state::inventory::{check_compatibility, GpuInfo, Inventory};
-use gpu_state::{GpuPair, GpuUuid};
+use gpu_state::GpuPair;
 use serde::{Deserialize, Serialize};
 
 /// The file in CRIU's image directory.
@@ -90,26 +90,14 @@ pub fn plan(
         ..current.clone()
     };
     check_compatibility(recorded, &paired, None).map_err(|e| e.to_string())?;
-    let pairs: Vec<(String, String)> = recorded
-        .gpus
-        .iter()
-        .zip(&targets)
-        .map(|(o, n)| (o.uuid.clone(), n.uuid.clone()))
-        .collect();
-    if !always && pairs.iter().all(|(o, n)| o == n) {
-        return Ok(Vec::new());
-    }
-    pairs
-        .iter()
-        .map(|(o, n)| {
-            let parse =
-                |s: &str| GpuUuid::parse(s).ok_or_else(|| format!("{s:?} is not a GPU UUID"));
-            Ok(GpuPair {
-                old: parse(o)?,
-                new: parse(n)?,
-            })
-        })
-        .collect()
+    GpuPair::for_restore(
+        recorded
+            .gpus
+            .iter()
+            .zip(&targets)
+            .map(|(o, n)| (o.uuid.as_str(), n.uuid.as_str())),
+        always,
+    )
 }
 
 /// `GPUCR_GPU_MAP`: every recorded GPU must be named once.

@@ -14,7 +14,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::time::Duration;
 
 use gpu_state::driver::CuError;
-use gpu_state::{CheckpointApi, CudaDriver, DriverError, GpuPair, GpuUuid, ProcessState, Step};
+use gpu_state::{CheckpointApi, CudaDriver, DriverError, GpuPair, ProcessState, Step};
 use serde::{Deserialize, Serialize};
 
 /// The answer of one call, as it crosses the pipe.
@@ -153,15 +153,8 @@ impl CheckpointApi for IsolatedDriver {
     }
 
     fn restore(&self, pid: u32, gpu_pairs: &[GpuPair]) -> Result<(), DriverError> {
-        let pairs: Vec<(GpuUuid, GpuUuid)> = gpu_pairs.iter().map(|p| (p.old, p.new)).collect();
-        self.call(move |d| {
-            let pairs: Vec<GpuPair> = pairs
-                .iter()
-                .map(|&(old, new)| GpuPair { old, new })
-                .collect();
-            d.restore(pid, &pairs).map(|()| Wire::Done)
-        })
-        .map(drop)
+        self.call(|d| d.restore(pid, gpu_pairs).map(|()| Wire::Done))
+            .map(drop)
     }
 
     fn unlock(&self, pid: u32) -> Result<(), DriverError> {

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use gpu_state::{GpuPair, GpuUuid};
+use gpu_state::GpuPair;
 use gpucr_cdi::{
     apply_edits, cdi_devices_from_annotations, plan_restore_bundle, read_oci_spec,
     write_json_atomic, CdiRegistry, HostManifest, RecordOptions, RestoreTarget,
@@ -143,23 +143,13 @@ pub fn refresh_device_nodes(bundle: &Path, pid: u32) -> Result<Vec<String>> {
     Ok(changed)
 }
 
-/// The driver wants pairs only when a GPU changes (or `always`); then they must cover every GPU.
+/// The planned pairs as the driver wants them (see [`GpuPair::for_restore`]).
 fn gpu_pairs(pairs: &[gpucr_cdi::GpuUuidPair], always: bool) -> Result<Vec<GpuPair>> {
-    if !always && pairs.iter().all(|p| p.old == p.new) {
-        return Ok(Vec::new());
-    }
-    pairs
-        .iter()
-        .map(|p| {
-            let parse = |s: &str| {
-                GpuUuid::parse(s).ok_or_else(|| Error::invalid(format!("{s:?} is not a GPU UUID")))
-            };
-            Ok(GpuPair {
-                old: parse(&p.old)?,
-                new: parse(&p.new)?,
-            })
-        })
-        .collect()
+    GpuPair::for_restore(
+        pairs.iter().map(|p| (p.old.as_str(), p.new.as_str())),
+        always,
+    )
+    .map_err(Error::invalid)
 }
 
 #[cfg(test)]

@@ -137,6 +137,29 @@ pub struct GpuPair {
     pub new: GpuUuid,
 }
 
+impl GpuPair {
+    /// The pairs for the driver's restore from old→new UUID texts: none when every GPU stays
+    /// (unless `always`), else all of them (the driver wants every GPU once a GPU changes).
+    pub fn for_restore<'a>(
+        uuids: impl IntoIterator<Item = (&'a str, &'a str)> + Clone,
+        always: bool,
+    ) -> Result<Vec<GpuPair>, String> {
+        if !always && uuids.clone().into_iter().all(|(old, new)| old == new) {
+            return Ok(Vec::new());
+        }
+        let parse = |s: &str| GpuUuid::parse(s).ok_or_else(|| format!("{s:?} is not a GPU UUID"));
+        uuids
+            .into_iter()
+            .map(|(old, new)| {
+                Ok(GpuPair {
+                    old: parse(old)?,
+                    new: parse(new)?,
+                })
+            })
+            .collect()
+    }
+}
+
 /// The driver calls gpucr needs. Implemented by [`CudaDriver`] and by test fakes.
 pub trait CheckpointApi: Send + Sync {
     /// `cuDriverGetVersion`, e.g. 12080 or 13000.

@@ -64,13 +64,10 @@ impl Inventory {
 
     /// With [`PROCFS_ROOT_ENV`] set, only that directory is read.
     pub fn gather() -> Inventory {
-        if let Some(root) = std::env::var_os(PROCFS_ROOT_ENV).filter(|r| !r.is_empty()) {
-            return procfs::read(Path::new(&root)).unwrap_or_default();
+        if std::env::var_os(PROCFS_ROOT_ENV).is_some_and(|r| !r.is_empty()) {
+            return Self::gather_procfs();
         }
-        if let Some(inv) = nvml::read() {
-            return inv;
-        }
-        procfs::read(Path::new(PROCFS_ROOT)).unwrap_or_default()
+        nvml::read().unwrap_or_else(Self::gather_procfs)
     }
 
     /// The driver branch (the major number, e.g. 580), which checkpoint images are
