@@ -22,7 +22,7 @@ MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_CRIU_TAR = "application/vnd.containerd.container.criu.checkpoint.criu.tar"
 MEDIA_SPEC = "application/vnd.containerd.container.checkpoint.config.v1+proto"
 MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
-LINE = re.compile(r"^(step|now) (\d+) hash ([0-9a-f]+)$")
+LINE = re.compile(r"^(step|now|static) (\d+) hash ([0-9a-f]+)$")
 
 
 def read_lines(path):
@@ -35,15 +35,21 @@ def read_lines(path):
     return out
 
 
-def check(ref_path, path):
+def verdict(ref_path, path):
     """Every step must come once, in order from 0, with the reference's hash; every "now S"
-    must equal the reference's step S. Prints one summary line; exit 1 on a mismatch."""
+    must equal the reference's step S; every "static" line (a buffer that never changes) the
+    first one. Returns (ok, one summary line)."""
     ref = {s: h for kind, s, h in read_lines(ref_path) if kind == "step"}
     got = read_lines(path)
     errors = []
     expect = 0
     steps = nows = 0
+    statics = {h for kind, _, h in got if kind == "static"}
+    if len(statics) > 1:
+        errors.append(f"the static buffer changed: {len(statics)} different hashes")
     for kind, s, h in got:
+        if kind == "static":
+            continue
         if s not in ref:
             errors.append(f"{kind} {s}: beyond the reference ({len(ref)} steps)")
             continue
@@ -58,11 +64,20 @@ def check(ref_path, path):
             nows += 1
     if not got:
         errors.append("no lines")
+    elif not steps:
+        errors.append("no step lines")
     last = expect - 1
     if errors:
-        print(f"MISMATCH steps={steps} now={nows} last={last}: " + "; ".join(errors[:5]))
+        return False, f"MISMATCH steps={steps} now={nows} last={last}: " + "; ".join(errors[:5])
+    return True, f"ok steps={steps} now={nows} last={last}"
+
+
+def check(ref_path, path):
+    """verdict() as a command: prints its line; exit 1 on a mismatch."""
+    ok, line = verdict(ref_path, path)
+    print(line)
+    if not ok:
         sys.exit(1)
-    print(f"ok steps={steps} now={nows} last={last}")
 
 
 def laststep(path):

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-LINE_KINDS = ("step", "now", "static")
+import e2e_helper  # same directory: the reference check shared with h200-e2e.sh
 
 
 def log(msg):
@@ -115,16 +115,11 @@ def du(path):
 
 
 def lines(path):
-    out = []
+    """The workload's lines so far ([] before its file exists)."""
     try:
-        with open(path) as f:
-            for raw in f:
-                p = raw.split()
-                if len(p) == 4 and p[0] in LINE_KINDS and p[2] == "hash":
-                    out.append((p[0], int(p[1]), p[3]))
+        return e2e_helper.read_lines(path)
     except OSError:
-        pass
-    return out
+        return []
 
 
 def last_step(path):
@@ -141,21 +136,6 @@ def wait_step(path, pid, want, secs):
             return False
         time.sleep(0.1)
     return False
-
-
-def check(ref, path):
-    """Every step line matches the reference, every now line matches the reference's step,
-    every static line equals the first. Returns (ok, detail)."""
-    refh = {s: h for k, s, h in lines(ref) if k == "step"}
-    got = lines(path)
-    statics = {h for k, _, h in got if k == "static"}
-    bad = [(k, s, h) for k, s, h in got if k in ("step", "now") and refh.get(s) != h]
-    steps = [s for k, s, _ in got if k == "step"]
-    seq_ok = steps == list(range(len(steps)))
-    ok = not bad and seq_ok and len(statics) <= 1 and steps
-    return bool(ok), (f"steps={len(steps)} last={steps[-1] if steps else -1} "
-                      f"now={sum(1 for k, _, _ in got if k == 'now')} statics={len(statics)} "
-                      f"mismatches={bad[:3]} in_order={seq_ok}")
 
 
 def main():
@@ -304,7 +284,7 @@ def main():
         if not wait_step(steps, proc.pid, want, 60):
             ok_all = False
         now_line()
-        ok, detail = check(a.ref, steps)
+        ok, detail = e2e_helper.verdict(a.ref, steps)
         ok_all = ok_all and ok
         record("verify", ok=ok, detail=detail)
     except Exception as e:  # noqa: BLE001 - report and go on to the next size
