@@ -177,8 +177,14 @@ impl Container {
             }
             gpu_pairs = host::plan_restore(&cfg.bundle, image).map_err(refuse)?;
         } else {
-            host::inject_cdi_devices(&cfg.bundle)?;
-            hook = hook_spec::inject_at_create(&cfg.id, &cfg.bundle)?;
+            // One read and (when something changed) one write of config.json for both.
+            let config = cfg.bundle.join("config.json");
+            let mut spec = gpucr_cdi::read_oci_spec(&config).map_err(hook_spec::spec_error)?;
+            let cdi = host::inject_cdi_devices(&mut spec)?;
+            hook = hook_spec::inject_at_create(&cfg.id, &cfg.bundle, &mut spec)?;
+            if !cdi.is_empty() || hook {
+                gpucr_cdi::write_json_atomic(&config, &spec).map_err(hook_spec::spec_error)?;
+            }
         }
         mount_rootfs(&cfg.rootfs, &cfg.bundle)?;
         let init = match &cfg.checkpoint {

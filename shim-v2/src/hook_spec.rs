@@ -209,13 +209,11 @@ fn make_socket_dir(dir: &Path, spec: &Value) -> Result<()> {
 
 static NO_LIBRARY_LOGGED: Once = Once::new();
 
-/// Create: injects the hook into the bundle's config.json when [`decide`] says so.
-/// Returns whether it did.
-pub fn inject_at_create(id: &str, bundle: &Path) -> Result<bool> {
-    let config = bundle.join("config.json");
-    let mut spec = gpucr_cdi::read_oci_spec(&config).map_err(spec_error)?;
+/// Create: injects the hook into the bundle's spec (the caller writes it) when [`decide`]
+/// says so. Returns whether it did.
+pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value) -> Result<bool> {
     let lib = hook_lib();
-    match decide(&spec, &lib, lib.is_file())? {
+    match decide(spec, &lib, lib.is_file())? {
         Decision::Inject => {}
         Decision::NoLibrary(lib) => {
             NO_LIBRARY_LOGGED.call_once(|| {
@@ -230,7 +228,8 @@ pub fn inject_at_create(id: &str, bundle: &Path) -> Result<bool> {
             return Ok(false);
         }
     }
-    write_injected(bundle, &config, &mut spec, &lib)?;
+    make_socket_dir(&socket_dir(bundle), spec)?;
+    inject(spec, &lib, &socket_dir(bundle));
     tracing::info!(id, lib = %lib.display(), "hook injected");
     Ok(true)
 }
@@ -248,17 +247,12 @@ pub fn inject_at_restore(bundle: &Path) -> Result<()> {
     }
     let config = bundle.join("config.json");
     let mut spec = gpucr_cdi::read_oci_spec(&config).map_err(spec_error)?;
-    write_injected(bundle, &config, &mut spec, &lib)
+    make_socket_dir(&socket_dir(bundle), &spec)?;
+    inject(&mut spec, &lib, &socket_dir(bundle));
+    gpucr_cdi::write_json_atomic(&config, &spec).map_err(spec_error)
 }
 
-fn write_injected(bundle: &Path, config: &Path, spec: &mut Value, lib: &Path) -> Result<()> {
-    let dir = socket_dir(bundle);
-    make_socket_dir(&dir, spec)?;
-    inject(spec, lib, &dir);
-    gpucr_cdi::write_json_atomic(config, spec).map_err(spec_error)
-}
-
-fn spec_error(e: gpucr_cdi::Error) -> Error {
+pub(crate) fn spec_error(e: gpucr_cdi::Error) -> Error {
     Error::invalid(format!("bundle config.json: {e}"))
 }
 
@@ -392,15 +386,16 @@ mod tests {
         std::fs::write(&config, serde_json::to_vec(&gpu_spec()).unwrap()).unwrap();
         // SAFETY (test): only this test reads HOOK_LIB_ENV.
         std::env::set_var(HOOK_LIB_ENV, bundle.path().join("absent.so"));
-        assert!(!inject_at_create("c", bundle.path()).unwrap());
-        assert!(!injected(&gpucr_cdi::read_oci_spec(&config).unwrap()));
+        let mut spec = gpucr_cdi::read_oci_spec(&config).unwrap();
+        assert!(!inject_at_create("c", bundle.path(), &mut spec).unwrap());
+        assert!(!injected(&spec));
         assert!(inject_at_restore(bundle.path()).is_err());
         let lib = bundle.path().join("libgpucr_hook.so");
         std::fs::write(&lib, b"\x7fELF").unwrap();
         std::env::set_var(HOOK_LIB_ENV, &lib);
         if nix::unistd::geteuid().is_root() {
-            assert!(inject_at_create("c", bundle.path()).unwrap());
-            assert!(injected(&gpucr_cdi::read_oci_spec(&config).unwrap()));
+            assert!(inject_at_create("c", bundle.path(), &mut spec).unwrap());
+            assert!(injected(&spec));
             assert!(socket_dir(bundle.path()).is_dir());
         }
         std::env::remove_var(HOOK_LIB_ENV);

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use gpu_state::GpuPair;
 use gpucr_cdi::{
-    apply_edits, cdi_devices_from_annotations, plan_restore_bundle, read_oci_spec,
-    write_json_atomic, CdiRegistry, HostManifest, RecordOptions, RestoreTarget,
+    apply_edits, cdi_devices_from_annotations, plan_restore_bundle, read_oci_spec, CdiRegistry,
+    HostManifest, RecordOptions, RestoreTarget,
 };
 
 use crate::error::{Error, Result};
@@ -38,17 +38,15 @@ fn cdi_error(e: gpucr_cdi::Error) -> Error {
     Error::invalid(format!("CDI: {e}"))
 }
 
-/// Create: injects the edits of the spec's annotated CDI devices into the bundle's config.json.
-pub fn inject_cdi_devices(bundle: &Path) -> Result<Vec<String>> {
-    let config = bundle.join("config.json");
-    let mut spec = read_oci_spec(&config).map_err(cdi_error)?;
-    let names = cdi_devices_from_annotations(&spec);
+/// Create: applies the edits of the spec's annotated CDI devices to the bundle's spec (the
+/// caller writes it); returns the device names.
+pub fn inject_cdi_devices(spec: &mut serde_json::Value) -> Result<Vec<String>> {
+    let names = cdi_devices_from_annotations(spec);
     if names.is_empty() {
         return Ok(names);
     }
     let resolved = registry().resolve(&names).map_err(cdi_error)?;
-    apply_edits(&mut spec, &resolved.edits).map_err(cdi_error)?;
-    write_json_atomic(&config, &spec).map_err(cdi_error)?;
+    apply_edits(spec, &resolved.edits).map_err(cdi_error)?;
     Ok(names)
 }
 
