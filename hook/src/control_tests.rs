@@ -53,6 +53,7 @@ impl Engine for StubEngine {
             bytes: 10,
             peak_staging_bytes: 0,
             seconds: 0.0,
+            profile: Default::default(),
         })
     }
     fn release(&self) -> Result<MemoryReport, StubError> {
@@ -68,6 +69,7 @@ impl Engine for StubEngine {
             bytes: 10,
             staging_bytes: 0,
             seconds: 0.0,
+            profile: Default::default(),
         })
     }
     fn thaw(&self) -> Result<(), StubError> {

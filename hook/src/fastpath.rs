@@ -26,7 +26,9 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
-use crate::protocol::{CheckpointState, CopyInReport, CopyOutReport, HookStatus, MemoryReport};
+use crate::protocol::{
+    CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HookStatus, MemoryReport,
+};
 
 /// Fast path errors.
 #[derive(Debug, Error)]
@@ -250,6 +252,8 @@ struct InFlight<'d, D: VmmDriver, T> {
     depth: usize,
     issued: usize,
     queue: VecDeque<(usize, T)>,
+    /// Time spent waiting for copies to complete.
+    waited: Duration,
 }
 
 impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
@@ -259,6 +263,7 @@ impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
             depth: depth.max(1),
             issued: 0,
             queue: VecDeque::new(),
+            waited: Duration::ZERO,
         }
     }
 
@@ -292,7 +297,10 @@ impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
         let Some((stream, item)) = self.queue.pop_front() else {
             return Ok(None);
         };
-        self.driver.wait(stream)?;
+        let t = Instant::now();
+        let waited = self.driver.wait(stream);
+        self.waited += t.elapsed();
+        waited?;
         Ok(Some(item))
     }
 }
@@ -402,6 +410,8 @@ struct Windows<'d, D: VmmDriver> {
     current: Option<usize>,
     /// Windows registered so far.
     registered: usize,
+    /// Time spent in [`enter`](Self::enter).
+    waited: Duration,
 }
 
 impl<'d, D: VmmDriver> Windows<'d, D> {
@@ -440,6 +450,7 @@ impl<'d, D: VmmDriver> Windows<'d, D> {
             live: Vec::new(),
             current: None,
             registered: 0,
+            waited: Duration::ZERO,
         }
     }
 
@@ -448,6 +459,13 @@ impl<'d, D: VmmDriver> Windows<'d, D> {
     }
 
     fn enter(&mut self, k: usize) -> Result<(), DriverError> {
+        let t = Instant::now();
+        let entered = self.enter_inner(k);
+        self.waited += t.elapsed();
+        entered
+    }
+
+    fn enter_inner(&mut self, k: usize) -> Result<(), DriverError> {
         if let Some(c) = self.current.take() {
             self.unregister(c);
         }
@@ -560,7 +578,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// The copy-out's loop: every chunk DMA'd into a staging buffer or, with `region`,
     /// straight into its place in the direct data file (registered window by window on
     /// a helper thread of `scope`), committed to the writer when its copy is done.
-    /// Returns the bytes copied and the windows registered.
+    /// Returns the bytes copied, the windows registered and where the loop waited.
     fn copy_chunks_out<'s, 'd>(
         &'d self,
         scope: &'s std::thread::Scope<'s, 'd>,
@@ -568,7 +586,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         allocs: &[Allocation],
         ids: &[AllocId],
         region: Option<DirectRegion>,
-    ) -> Result<(u64, usize), FastPathError> {
+    ) -> Result<(u64, usize, CopyProfile), FastPathError> {
         let chunk_size = self.opts.image.chunk_size;
         let mut plan = None;
         if let Some(region) = region {
@@ -587,6 +605,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .map(|(w, _)| Windows::start(scope, self.driver(), std::mem::take(w), false));
         let of = plan.map(|(_, of)| of).unwrap_or_default();
         let mut registered = 0;
+        let mut profile = CopyProfile::default();
         // Declared after the windows: dropped first, so every copy is waited for before
         // a buffer or window can go.
         let mut flight: InFlight<D, Pending> = InFlight::new(
@@ -615,6 +634,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                         if let Err(e) = win.enter(k) {
                             tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
                             registered = win.registered;
+                            profile.register_wait = win.waited.as_secs_f64();
                             windows = None;
                             writer.trim_direct(writer.direct_place(*id, offset)?.0)?;
                         }
@@ -626,7 +646,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 n += 1;
                 let pending = match pending {
                     Some(p) => p,
-                    None => Pending::Staged(writer.stage(*id, offset)?),
+                    None => {
+                        let t = Instant::now();
+                        let staged = writer.stage(*id, offset)?;
+                        profile.buffer_wait += t.elapsed().as_secs_f64();
+                        Pending::Staged(staged)
+                    }
                 };
                 let done = flight.start(pending, |pending, stream| {
                     let (dst, len) = pending.target();
@@ -646,11 +671,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         while let Some(done) = flight.complete_oldest()? {
             done.commit(writer)?;
         }
+        profile.dma_wait = flight.waited.as_secs_f64();
         drop(flight);
         if let Some(w) = &windows {
             registered = w.registered;
+            profile.register_wait = w.waited.as_secs_f64();
         }
-        Ok((bytes, registered))
+        Ok((bytes, registered, profile))
     }
 
     /// The mapped direct data file when direct copy-out is asked for and possible.
@@ -715,17 +742,20 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
             .collect::<Result<Vec<_>, _>>()?;
         let region = self.direct_region(&mut writer)?;
-        let (bytes, windows) = std::thread::scope(|scope| {
+        let (bytes, windows, mut profile) = std::thread::scope(|scope| {
             self.copy_chunks_out(scope, &mut writer, &allocs, &ids, region)
         })?;
         let stats = writer.stats();
+        let t = Instant::now();
         writer.finish()?;
+        profile.finish = t.elapsed().as_secs_f64();
         *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
         let report = CopyOutReport {
             allocations: allocs.len(),
             bytes,
             peak_staging_bytes: stats.peak_in_flight as u64 * opts.chunk_size as u64,
             seconds: start.elapsed().as_secs_f64(),
+            profile,
         };
         tracing::info!(
             ?report,
@@ -828,7 +858,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let allocs = self.movable()?;
         let reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
-        let (bytes, staging_bytes) = match self.fill_direct(&reader, &allocs, &plan)? {
+        let (bytes, staging_bytes, profile) = match self.fill_direct(&reader, &allocs, &plan)? {
             Some(done) => done,
             None => self.fill(&reader, &allocs, &plan)?,
         };
@@ -837,6 +867,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             bytes,
             staging_bytes,
             seconds: start.elapsed().as_secs_f64(),
+            profile,
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
@@ -866,13 +897,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// read-only in windows, in file order) on the copy streams; zero chunks come from
     /// one zeroed pinned buffer. `None` when not used or a registration failed (then
     /// nothing is registered or in flight, and the staged path runs). Returns the bytes
-    /// copied and the bytes of host buffers used.
+    /// copied, the bytes of host buffers used and where the control thread waited.
     fn fill_direct(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
         plan: &[AllocId],
-    ) -> Result<Option<(u64, u64)>, FastPathError> {
+    ) -> Result<Option<(u64, u64, CopyProfile)>, FastPathError> {
         if !self.opts.direct {
             return Ok(None);
         }
@@ -887,7 +918,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let (work, targets) = Self::chunk_work(reader, allocs, plan);
         let bytes = allocs.iter().map(|a| a.size).sum();
         if work.is_empty() {
-            return Ok(Some((bytes, 0)));
+            return Ok(Some((bytes, 0, CopyProfile::default())));
         }
         let mapped = reader.map_chunks(&work)?;
         // Zero chunks first, then file by file in offset order, so windows only move on.
@@ -936,22 +967,22 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             result
         });
-        match copied {
-            Ok(true) => {}
-            Ok(false) => return Ok(None),
+        let profile = match copied {
+            Ok(Some(profile)) => profile,
+            Ok(None) => return Ok(None),
             Err(DirectInError::Driver(e)) => return Err(e.into()),
             Err(DirectInError::Corrupt(e)) => return Err(e.into()),
-        }
+        };
         self.driver().synchronize()?;
         drop(zero_buf);
         tracing::debug!(chunks = order.len(), "direct copy-in");
-        Ok(Some((bytes, if zeros { chunk as u64 } else { 0 })))
+        Ok(Some((bytes, if zeros { chunk as u64 } else { 0 }, profile)))
     }
 
     /// The control thread's part of [`fill_direct`](Self::fill_direct): for each chunk
     /// in `order`, waits for its verdict (`verified(k)`), moves the registered window
-    /// along and issues its copy. `Ok(false)`: a registration failed, nothing is left
-    /// registered or in flight.
+    /// along and issues its copy. `Ok(None)`: a registration failed, nothing is left
+    /// registered or in flight; else where it waited.
     fn copy_mapped<'s, 'd>(
         &'d self,
         scope: &'s std::thread::Scope<'s, 'd>,
@@ -960,7 +991,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         targets: &[DevicePtr],
         zero: *const u8,
         verified: impl Fn(usize) -> Result<(), ImageError>,
-    ) -> Result<bool, DirectInError> {
+    ) -> Result<Option<CopyProfile>, DirectInError> {
         // Where each chunk lies (`None`: zero, or a file not mapped, which `verify`
         // refuses before any copy).
         let source = |i: usize| {
@@ -973,8 +1004,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         // Declared before `flight`: unregistered only after every copy is waited for.
         let mut windows = Windows::start(scope, self.driver(), list, true);
         let mut flight: InFlight<D, ()> = InFlight::new(self.driver(), self.opts.streams);
+        let mut profile = CopyProfile::default();
         for (k, &i) in order.iter().enumerate() {
-            verified(k).map_err(DirectInError::Corrupt)?;
+            let t = Instant::now();
+            let verdict = verified(k);
+            profile.verify_wait += t.elapsed().as_secs_f64();
+            verdict.map_err(DirectInError::Corrupt)?;
             let c = mapped.chunk(i);
             let (mut target, mut len) = (targets[i], c.len);
             let src = match (c.at, source(i), of[k]) {
@@ -984,7 +1019,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                         while flight.complete_oldest()?.is_some() {}
                         if let Err(e) = windows.enter(w) {
                             tracing::warn!(error = %e, "cannot register the mapped image; copy-in goes through staging");
-                            return Ok(false);
+                            return Ok(None);
                         }
                     }
                     if head > 0 {
@@ -1014,28 +1049,32 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             })?;
         }
         while flight.complete_oldest()?.is_some() {}
-        Ok(true)
+        profile.dma_wait = flight.waited.as_secs_f64();
+        profile.register_wait = windows.waited.as_secs_f64();
+        Ok(Some(profile))
     }
 
     /// Copies each allocation's image data in: reader threads fill a pinned staging
     /// pool (read, decompress, CRC) while filled buffers go to the device on up to
-    /// `streams` copy streams. Returns the bytes copied and the pool's size.
+    /// `streams` copy streams. Returns the bytes copied, the pool's size and where the
+    /// copying thread waited (`buffer_wait`: for the readers).
     fn fill(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
         plan: &[AllocId],
-    ) -> Result<(u64, u64), FastPathError> {
+    ) -> Result<(u64, u64, CopyProfile), FastPathError> {
         let chunk = reader.manifest().chunk_size as usize;
         let (work, targets) = Self::chunk_work(reader, allocs, plan);
         let bytes = allocs.iter().map(|a| a.size).sum();
         if work.is_empty() {
-            return Ok((bytes, 0));
+            return Ok((bytes, 0, CopyProfile::default()));
         }
         let count = (self.opts.copy_in_staging / chunk).max(2);
         let pool = StagingPool::new(count, chunk, self.pin())?;
         // The sink keeps at most `count - 1` buffers, so the readers always have one.
         let mut flight = InFlight::new(self.driver(), self.opts.streams.min(count - 1));
+        let t = Instant::now();
         let read = reader.read_chunks_staged(
             &work,
             &pool,
@@ -1052,6 +1091,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 Ok(())
             },
         );
+        let reading = t.elapsed().as_secs_f64();
+        let dma_while_reading = flight.waited.as_secs_f64();
         let mut drained = Ok(());
         while drained.is_ok() {
             match flight.complete_oldest() {
@@ -1060,6 +1101,11 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 Err(e) => drained = Err(e),
             }
         }
+        let profile = CopyProfile {
+            dma_wait: flight.waited.as_secs_f64(),
+            buffer_wait: (reading - dma_while_reading).max(0.0),
+            ..CopyProfile::default()
+        };
         drop(flight);
         read?;
         drained?;
@@ -1069,7 +1115,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             buffers = count,
             "copy-in staging"
         );
-        Ok((bytes, (count * chunk) as u64))
+        Ok((bytes, (count * chunk) as u64, profile))
     }
 
     /// The image allocation of each of `allocs`, checked before anything is copied;

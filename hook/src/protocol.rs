@@ -127,6 +127,24 @@ pub struct CopyOutReport {
     /// Most staging memory in use at one time (the writer's buffers).
     pub peak_staging_bytes: u64,
     pub seconds: f64,
+    /// Where the copying thread waited.
+    #[serde(default)]
+    pub profile: CopyProfile,
+}
+
+/// Seconds the thread that issues the copies spent waiting, by cause: it tells a copy
+/// bound by the PCIe link (`dma_wait`) from one bound by the CPU side (`buffer_wait`:
+/// no staging buffer free, the workers are behind; `verify_wait`: a chunk's check not
+/// done yet) or by pinning (`register_wait`); `finish`: the writer draining, syncing
+/// and writing the manifest after the last copy.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CopyProfile {
+    pub dma_wait: f64,
+    pub buffer_wait: f64,
+    pub verify_wait: f64,
+    pub register_wait: f64,
+    pub finish: f64,
 }
 
 /// A release's or remap's result.
@@ -145,6 +163,8 @@ pub struct CopyInReport {
     /// The staging buffer's size.
     pub staging_bytes: u64,
     pub seconds: f64,
+    #[serde(default)]
+    pub profile: CopyProfile,
 }
 
 /// The hook's state, for the shim and tools.

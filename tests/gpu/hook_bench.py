@@ -242,7 +242,8 @@ def main():
                    remap_ms=round(rm, 1), copy_in_ms=round(ci, 1),
                    copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2), thaw_ms=round(th, 1),
                    pause_ms=round(total, 1), image_mib=du(img1) >> 20,
-                   peak_rss_growth_mib=peak >> 20)
+                   peak_rss_growth_mib=peak >> 20, out_profile=rep.get("profile"),
+                   in_profile=cin.get("profile"))
 
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")
@@ -255,7 +256,8 @@ def main():
             synced = (time.monotonic() - t0) * 1000
             th, _ = h.call("Thaw")
             record("disk", copy_out_ms=round(co, 1), with_sync_ms=round(synced, 1),
-                   disk_gbps=round(rep.get("bytes", 0) / synced / 1e6, 2), image_mib=du(img_disk) >> 20)
+                   disk_gbps=round(rep.get("bytes", 0) / synced / 1e6, 2), image_mib=du(img_disk) >> 20,
+                   out_profile=rep.get("profile"))
             shutil.rmtree(img_disk, ignore_errors=True)
 
         if "incr" in phases and os.path.isdir(img1):
@@ -265,7 +267,7 @@ def main():
             co, rep = h.call("CopyOut", image_dir=img2, parent=img1)
             th, _ = h.call("Thaw")
             record("incr", copy_out_ms=round(co, 1), image_mib=du(img2) >> 20,
-                   full_image_mib=du(img1) >> 20)
+                   full_image_mib=du(img1) >> 20, out_profile=rep.get("profile"))
             if a.disk:
                 img3 = os.path.join(a.disk, f"img3-{label}")
                 shutil.rmtree(img3, ignore_errors=True)
