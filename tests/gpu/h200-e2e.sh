@@ -894,27 +894,30 @@ fi
 # e_diag PID LABEL: why a plugin-driven checkpoint hangs: the task's cgroup freezer, its threads'
 # states, CRIU's stack, and the driver's state of the process.
 e_diag() {
-  local pid=$1 label=$2 f=$LOGS/e-diag-$2.txt cg t c
+  # Written straight into $OUT (not $LOGS): a hung run still brings it back. Every read has
+  # its own timeout: in session 3 the diagnostics themselves never returned.
+  local pid=$1 label=$2 f=$OUT/e-diag-$2.txt cg t c
+  local rd="timeout -s KILL 3"
   {
-    echo "== task $pid"
-    cg=$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup" 2>/dev/null)
-    echo "cgroup $cg freeze=$(cat "/sys/fs/cgroup$cg/cgroup.freeze" 2>/dev/null) events: $(tr '\n' ' ' <"/sys/fs/cgroup$cg/cgroup.events" 2>/dev/null)"
+    echo "== task $pid ($(date +%T))"
+    cg=$($rd awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup" 2>/dev/null)
+    echo "cgroup $cg freeze=$($rd cat "/sys/fs/cgroup$cg/cgroup.freeze" 2>/dev/null) events: $($rd cat "/sys/fs/cgroup$cg/cgroup.events" 2>/dev/null | tr '\n' ' ')"
     # Only files that do not take the task's mm lock (a task stuck in the driver may hold
     # it; reading cmdline, environ, maps or status then blocks): comm, wchan, stack.
     for t in /proc/"$pid"/task/*; do
-      echo "thread ${t##*/} $(cat "$t/comm" 2>/dev/null) wchan=$(cat "$t/wchan" 2>/dev/null)"
-      cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
+      echo "thread ${t##*/} $($rd cat "$t/comm" 2>/dev/null) wchan=$($rd cat "$t/wchan" 2>/dev/null)"
+      $rd cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
     done
     for c in /proc/[0-9]*; do
-      [ "$(cat "$c/comm" 2>/dev/null)" = criu ] || continue
+      [ "$($rd cat "$c/comm" 2>/dev/null)" = criu ] || continue
       echo "== criu ${c#/proc/}"
       for t in "$c"/task/*; do
-        echo "criu thread ${t##*/} wchan=$(cat "$t/wchan" 2>/dev/null)"
-        cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
+        echo "criu thread ${t##*/} wchan=$($rd cat "$t/wchan" 2>/dev/null)"
+        $rd cat "$t/stack" 2>/dev/null | head -8 | sed 's/^/    /'
       done
     done
-    echo "== driver state"; timeout -k 1 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
-    [ -n "${3:-}" ] && { echo "== ${3} (tail)"; tail -40 "$3" 2>/dev/null; }
+    [ -n "${3:-}" ] && { echo "== ${3} (tail)"; $rd tail -40 "$3" 2>/dev/null; }
+    echo "== driver state"; timeout -s KILL 10 "$TOOLS/drive" state "$pid" 2>&1 | tail -3
   } >"$f" 2>&1
   log "e ($label): $(head -3 "$f" | tr '\n' ' ')"
 }
