@@ -40,6 +40,18 @@ pub fn pause_devices(pid: i32) -> i32 {
         criu::log(Level::Debug, &format!("pid {pid} is not a CUDA process"));
         return ENOTSUP;
     };
+    // CRIU sees host ids; a restore thread id from another pid namespace would make the
+    // ptrace calls around CHECKPOINT_DEVICES hit the wrong thread and the driver wait forever.
+    if !std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists() {
+        criu::log(
+            Level::Error,
+            &format!(
+                "pid {pid}: the driver names thread {tid} as its CUDA restore thread, but \
+                 /proc/{pid}/task/{tid} does not exist (a pid namespace mismatch?)"
+            ),
+        );
+        return -1;
+    }
     let initial = match driver.get_state(upid) {
         Ok(s) => s,
         Err(e) => {
@@ -109,10 +121,24 @@ pub fn checkpoint_devices(pid: i32) -> i32 {
     if t.initial == ProcessState::Checkpointed {
         return 0;
     }
-    criu::log(Level::Info, &format!("checkpointing CUDA process {pid}"));
+    criu::log(
+        Level::Info,
+        &format!(
+            "checkpointing CUDA process {pid} (restore thread {} resumed for the call)",
+            t.restore_tid
+        ),
+    );
+    let t0 = std::time::Instant::now();
     let r = with_restore_thread(t.restore_tid, || driver.checkpoint(pid as u32));
     match r {
         Ok(()) => {
+            criu::log(
+                Level::Info,
+                &format!(
+                    "checkpointed CUDA process {pid} in {:.2} s",
+                    t0.elapsed().as_secs_f64()
+                ),
+            );
             t.checkpointed = true;
             0
         }
@@ -181,6 +207,10 @@ fn back_to_initial(driver: &IsolatedDriver, t: &Tracked) -> Result<(), String> {
     if !restore && !unlock {
         return Ok(());
     }
+    criu::log(
+        Level::Info,
+        &format!("pid {pid}: restore={restore} unlock={unlock} (restore thread {})", t.restore_tid),
+    );
     with_restore_thread(t.restore_tid, || {
         if restore {
             driver.restore(pid, &[])?;

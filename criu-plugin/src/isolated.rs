@@ -9,9 +9,9 @@
 //! parent. SIGCHLD is blocked around the child's life and its signal consumed, so CRIU's own
 //! SIGCHLD handler (restore) never sees a child it did not start.
 
-use std::io::{Read, Write};
-use std::os::fd::{FromRawFd, OwnedFd};
-use std::time::Duration;
+use std::io::{Read as _, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use gpu_state::driver::CuError;
 use gpu_state::{CheckpointApi, CudaDriver, DriverError, GpuPair, ProcessState, Step};
@@ -80,17 +80,36 @@ fn unexpected(what: &str) -> DriverError {
     }
 }
 
+/// Environment variable: the most seconds one driver call may take before its child is
+/// killed (default [`DEFAULT_CALL_TIMEOUT`]; a checkpoint moves about 2 GB/s).
+pub const CALL_TIMEOUT_ENV: &str = "GPUCR_PLUGIN_CALL_TIMEOUT_S";
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
+/// Probing loads libcuda and asks its version: seconds, never minutes.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+/// What a lock may take beyond the timeout the driver itself was given.
+const LOCK_GRACE: Duration = Duration::from_secs(15);
+
+fn call_timeout() -> Duration {
+    std::env::var(CALL_TIMEOUT_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&s| s > 0)
+        .map_or(DEFAULT_CALL_TIMEOUT, Duration::from_secs)
+}
+
 /// The checkpoint API through short-lived children (see the module docs).
 #[derive(Debug, Clone)]
 pub struct IsolatedDriver {
     path: String,
     version: i32,
+    /// Deadline of each call but the lock (which has the driver's own timeout).
+    timeout: Duration,
 }
 
 impl IsolatedDriver {
     /// Like [`CudaDriver::probe`], in a child: `Ok(None)` on a machine without the driver.
     pub fn probe() -> Result<Option<IsolatedDriver>, DriverError> {
-        match in_child(|| match CudaDriver::probe() {
+        match in_child(PROBE_TIMEOUT, || match CudaDriver::probe() {
             Ok(Some(d)) => Wire::Probe {
                 path: d.path().to_string(),
                 version: d.driver_version().unwrap_or(0),
@@ -98,7 +117,11 @@ impl IsolatedDriver {
             Ok(None) => Wire::NoDriverHere,
             Err(e) => Wire::from_error(e),
         })? {
-            Wire::Probe { path, version } => Ok(Some(IsolatedDriver { path, version })),
+            Wire::Probe { path, version } => Ok(Some(IsolatedDriver {
+                path,
+                version,
+                timeout: call_timeout(),
+            })),
             Wire::NoDriverHere => Ok(None),
             other => Err(other.into_error()),
         }
@@ -112,7 +135,15 @@ impl IsolatedDriver {
         &self,
         f: impl FnOnce(&CudaDriver) -> Result<Wire, DriverError>,
     ) -> Result<Wire, DriverError> {
-        let wire = in_child(|| match CudaDriver::load() {
+        self.call_within(self.timeout, f)
+    }
+
+    fn call_within(
+        &self,
+        deadline: Duration,
+        f: impl FnOnce(&CudaDriver) -> Result<Wire, DriverError>,
+    ) -> Result<Wire, DriverError> {
+        let wire = in_child(deadline, || match CudaDriver::load() {
             Ok(d) => f(&d).unwrap_or_else(Wire::from_error),
             Err(e) => Wire::from_error(e),
         })?;
@@ -143,7 +174,8 @@ impl CheckpointApi for IsolatedDriver {
     }
 
     fn lock(&self, pid: u32, timeout: Option<Duration>) -> Result<(), DriverError> {
-        self.call(|d| d.lock(pid, timeout).map(|()| Wire::Done))
+        let deadline = timeout.map_or(self.timeout, |t| t + LOCK_GRACE);
+        self.call_within(deadline, |d| d.lock(pid, timeout).map(|()| Wire::Done))
             .map(drop)
     }
 
@@ -162,8 +194,56 @@ impl CheckpointApi for IsolatedDriver {
     }
 }
 
-/// Runs `f` in a forked child and returns what it wrote.
-fn in_child(f: impl FnOnce() -> Wire) -> Result<Wire, DriverError> {
+/// What reading the child's pipe came to.
+enum Read {
+    Done(Vec<u8>),
+    TimedOut,
+    Failed(std::io::Error),
+}
+
+/// Reads `rd` to its end, giving up at `deadline` from now. CRIU's SIGALRM (its own
+/// `--timeout`) interrupts poll; that only shortens nothing here, the loop goes on.
+fn read_until(rd: OwnedFd, deadline: Duration) -> Read {
+    let end = Instant::now() + deadline;
+    let mut file = std::fs::File::from(rd);
+    let mut text = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Read::TimedOut;
+        }
+        let mut pfd = libc::pollfd {
+            fd: file.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Read::Failed(e);
+        }
+        if n == 0 {
+            continue;
+        }
+        match file.read(&mut buf) {
+            Ok(0) => return Read::Done(text),
+            Ok(k) => text.extend_from_slice(&buf[..k]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Read::Failed(e),
+        }
+    }
+}
+
+/// Runs `f` in a forked child and returns what it wrote; a child that has not answered
+/// within `deadline` is killed and the call is an error (a driver call that never returns
+/// must not hang CRIU, and with it the checkpointed container, forever).
+fn in_child(deadline: Duration, f: impl FnOnce() -> Wire) -> Result<Wire, DriverError> {
     let mut fds = [0; 2];
     // SAFETY: pipe2 fills two fds.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -201,19 +281,27 @@ fn in_child(f: impl FnOnce() -> Wire) -> Result<Wire, DriverError> {
             std::io::Error::last_os_error()
         )))
     } else {
-        let mut text = Vec::new();
-        let read = std::fs::File::from(rd).read_to_end(&mut text);
+        let read = read_until(rd, deadline);
+        if matches!(read, Read::TimedOut) {
+            // SAFETY: our own child, not yet reaped.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
         let mut status = 0;
         // SAFETY: reaping our own child.
         while unsafe { libc::waitpid(pid, &mut status, 0) } < 0
             && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
         {}
         match read {
-            Err(e) => Err(unexpected(&format!("reading the child's answer: {e}"))),
-            Ok(_) if text.is_empty() => Err(unexpected(&format!(
+            Read::Failed(e) => Err(unexpected(&format!("reading the child's answer: {e}"))),
+            Read::TimedOut => Err(unexpected(&format!(
+                "the driver call did not return within {} s; its process was killed (raise \
+                 {CALL_TIMEOUT_ENV} if the GPU holds much memory)",
+                deadline.as_secs()
+            ))),
+            Read::Done(text) if text.is_empty() => Err(unexpected(&format!(
                 "the child calling the driver died without an answer (wait status {status:#x})"
             ))),
-            Ok(_) => serde_json::from_slice(&text)
+            Read::Done(text) => serde_json::from_slice(&text)
                 .map_err(|e| unexpected(&format!("the child's answer is garbled: {e}"))),
         }
     };
@@ -242,11 +330,13 @@ pub fn thread_count() -> usize {
 mod tests {
     use super::*;
 
+    const SHORT: Duration = Duration::from_secs(10);
+
     #[test]
     fn child_answers_cross_the_pipe() {
-        let w = in_child(|| Wire::Tid(42)).unwrap();
+        let w = in_child(SHORT, || Wire::Tid(42)).unwrap();
         assert!(matches!(w, Wire::Tid(42)));
-        let e = in_child(|| Wire::Cuda {
+        let e = in_child(SHORT, || Wire::Cuda {
             step: Step::Lock,
             pid: 7,
             code: 2,
@@ -258,8 +348,20 @@ mod tests {
 
     #[test]
     fn a_dying_child_is_an_error_not_a_hang() {
-        let e = in_child(|| unsafe { libc::_exit(3) }).unwrap_err();
+        let e = in_child(SHORT, || unsafe { libc::_exit(3) }).unwrap_err();
         assert!(e.to_string().contains("died without an answer"), "{e}");
+    }
+
+    #[test]
+    fn a_child_that_never_answers_is_killed_at_the_deadline() {
+        let t0 = Instant::now();
+        let e = in_child(Duration::from_millis(300), || loop {
+            std::thread::sleep(Duration::from_secs(1));
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("did not return within"), "{e}");
+        assert!(e.to_string().contains(CALL_TIMEOUT_ENV), "{e}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

@@ -204,6 +204,8 @@ export LD_LIBRARY_PATH="$libpath\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 if [ -s "$TOOLS/criu-libs-dir" ]; then
   CRIU_LIBS_DIR=\$(cat "$TOOLS/criu-libs-dir"); export CRIU_LIBS_DIR
   GPUCR_LOCK_TIMEOUT_MS=\${GPUCR_LOCK_TIMEOUT_MS:-8000}; export GPUCR_LOCK_TIMEOUT_MS
+  # A driver call that never returns becomes a failed dump with a log line, not a hang.
+  GPUCR_PLUGIN_CALL_TIMEOUT_S=\${GPUCR_PLUGIN_CALL_TIMEOUT_S:-25}; export GPUCR_PLUGIN_CALL_TIMEOUT_S
 fi
 exec "$r/usr/sbin/criu" "\$@"
 EOF
@@ -951,6 +953,7 @@ scenario_e_runc() {
     [ "$(cat "/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze" 2>/dev/null)" = 1 ] \
       && echo 0 >"/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3}' "/proc/$pid/cgroup")/cgroup.freeze"
     cp "$w1/dump.log" "$LOGS/e-dump1.log" 2>/dev/null || true
+    cp "$w1/dump.log" "$OUT/e-dump1.log" 2>/dev/null || true
     result e FAIL "$(secs_since "$t0")" "runc checkpoint --leave-running failed: $(head -c 200 "$LOGS/e-ckpt1.txt" | tr '\n' ' ') $(grep -E 'Error \(' "$w1/dump.log" 2>/dev/null | grep -v RLIMIT | head -2 | tr '\n' ' ')"
     return 1
   fi
