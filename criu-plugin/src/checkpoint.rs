@@ -209,7 +209,10 @@ fn back_to_initial(driver: &IsolatedDriver, t: &Tracked) -> Result<(), String> {
     }
     criu::log(
         Level::Info,
-        &format!("pid {pid}: restore={restore} unlock={unlock} (restore thread {})", t.restore_tid),
+        &format!(
+            "pid {pid}: restore={restore} unlock={unlock} (restore thread {})",
+            t.restore_tid
+        ),
     );
     with_restore_thread(t.restore_tid, || {
         if restore {

@@ -30,6 +30,7 @@ enum Wire {
     UnknownState { pid: u32, raw: i32 },
     NoDriver(String),
     Other { path: String, reason: String },
+    NoAnswer(String),
 }
 
 impl Wire {
@@ -46,6 +47,7 @@ impl Wire {
             DriverError::UnknownState { pid, raw } => Wire::UnknownState { pid, raw },
             DriverError::NoDriver { reason } => Wire::NoDriver(reason),
             DriverError::Load { path, reason } => Wire::Other { path, reason },
+            DriverError::NoAnswer { reason } => Wire::NoAnswer(reason),
             e @ DriverError::MissingSymbol { .. } => Wire::Other {
                 path: "libcuda".into(),
                 reason: e.to_string(),
@@ -64,19 +66,16 @@ impl Wire {
             Wire::UnknownState { pid, raw } => DriverError::UnknownState { pid, raw },
             Wire::NoDriver(reason) => DriverError::NoDriver { reason },
             Wire::Other { path, reason } => DriverError::Load { path, reason },
-            other => DriverError::Load {
-                path: "libcuda (child process)".into(),
-                reason: format!("unexpected answer {other:?}"),
-            },
+            Wire::NoAnswer(reason) => DriverError::NoAnswer { reason },
+            other => unexpected(&format!("unexpected answer {other:?}")),
         }
     }
 }
 
 /// What a child call did, or why no answer came.
 fn unexpected(what: &str) -> DriverError {
-    DriverError::Load {
-        path: "libcuda (child process)".into(),
-        reason: what.into(),
+    DriverError::NoAnswer {
+        reason: format!("the child process making the call: {what}"),
     }
 }
 

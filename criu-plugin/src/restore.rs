@@ -22,42 +22,39 @@ pub fn resume_devices_late(pid: i32) -> i32 {
     let Ok(tid) = driver.get_restore_thread_id(upid) else {
         return ENOTSUP;
     };
-    let state = match driver.get_state(upid) {
-        Ok(s) => s,
-        Err(e) => {
-            criu::log(Level::Error, &format!("pid {pid}: {e}"));
-            return -1;
-        }
-    };
-    let (restore, unlock) = match state {
-        ProcessState::Checkpointed => (true, true),
-        ProcessState::Locked => (false, true),
-        ProcessState::Running => return 0,
-        ProcessState::Failed => {
-            criu::log(
-                Level::Error,
-                &format!("the driver reports CUDA process {pid} FAILED"),
-            );
-            return -1;
-        }
-    };
-    criu::log(
-        Level::Info,
-        &format!("resuming CUDA process {pid} from {state}"),
-    );
+    // Every call below needs the process's restore thread running: CRIU holds the restored
+    // tasks stopped here, and even GetState waits for that thread (the H200 run hung in it).
     let r = with_restore_thread(tid as i32, || {
+        let state = driver.get_state(upid).map_err(|e| e.to_string())?;
+        let (restore, unlock) = match state {
+            ProcessState::Checkpointed => (true, true),
+            ProcessState::Locked => (false, true),
+            ProcessState::Running => return Ok(()),
+            ProcessState::Failed => {
+                return Err(format!("the driver reports CUDA process {pid} FAILED"));
+            }
+        };
+        criu::log(
+            Level::Info,
+            &format!("resuming CUDA process {pid} from {state} (restore thread {tid})"),
+        );
         if restore {
-            driver.restore(upid, &plugin.gpu_pairs)?;
+            driver
+                .restore(upid, &plugin.gpu_pairs)
+                .map_err(|e| e.to_string())?;
         }
         if unlock {
-            driver.unlock(upid)?;
+            driver.unlock(upid).map_err(|e| e.to_string())?;
         }
-        Ok::<(), gpu_state::DriverError>(())
+        Ok::<(), String>(())
     });
     match r {
         Ok(()) => 0,
         Err(msg) => {
-            criu::log(Level::Error, &format!("RESUME_DEVICES_LATE: {msg}"));
+            criu::log(
+                Level::Error,
+                &format!("RESUME_DEVICES_LATE: pid {pid}: {msg}"),
+            );
             -1
         }
     }

@@ -28,6 +28,10 @@ pub enum DriverError {
 
     #[error("cuCheckpointProcessGetState returned unknown state {raw} for pid {pid}")]
     UnknownState { pid: u32, raw: i32 },
+
+    /// The call was made (in a thread or child process) but no result came back.
+    #[error("no answer from the CUDA driver: {reason}")]
+    NoAnswer { reason: String },
 }
 
 impl DriverError {

@@ -208,9 +208,8 @@ where
     if let Err(e) = spawned {
         // Without a thread we cannot enforce the deadline; report it as a failure.
         tracing::error!(pid, %step, error = %e, "cannot spawn a thread for the driver call");
-        let _ = tx.send(Err(DriverError::Load {
-            path: "thread".into(),
-            reason: e.to_string(),
+        let _ = tx.send(Err(DriverError::NoAnswer {
+            reason: format!("cannot spawn a thread for the call: {e}"),
         }));
     }
     call
@@ -228,8 +227,7 @@ fn wait_all<T>(calls: Vec<Call<T>>, deadline: Instant) -> Vec<Waited<T>> {
             let r = match c.rx.recv_timeout(left) {
                 Ok(r) => Some(r),
                 Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => Some(Err(DriverError::Load {
-                    path: "driver call".into(),
+                Err(RecvTimeoutError::Disconnected) => Some(Err(DriverError::NoAnswer {
                     reason: "the call's thread panicked".into(),
                 })),
             };
