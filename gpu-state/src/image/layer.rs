@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use super::atomic::{image_state, ImageState};
 use super::error::ImageError;
-use super::manifest::{ContentHash, ImageId, Location, Manifest, MANIFEST_FILE, MANIFEST_SUM_FILE};
+use super::manifest::{
+    ChunkKey, ContentHash, ImageId, Location, Manifest, MANIFEST_FILE, MANIFEST_SUM_FILE,
+};
 
 /// Longest parent chain accepted (it also stops loops).
 pub const MAX_CHAIN: usize = 64;
@@ -26,8 +28,8 @@ pub(crate) struct Layer {
     pub manifest: Manifest,
     pub manifest_hash: ContentHash,
     pub files: Vec<File>,
-    /// Chunks stored in this layer's own data files, by content hash.
-    pub by_hash: HashMap<ContentHash, StoredAt>,
+    /// Chunks stored in this layer's own data files, by dedup key.
+    pub by_hash: HashMap<ChunkKey, StoredAt>,
 }
 
 impl Layer {
@@ -149,7 +151,7 @@ fn check_parent_refs(layers: &[Layer]) -> Result<(), ImageError> {
     for (depth, layer) in layers.iter().enumerate() {
         for alloc in &layer.manifest.allocations {
             for chunk in &alloc.chunks {
-                let (Location::Parent { image }, Some(hash)) = (chunk.at, chunk.blake3) else {
+                let (Location::Parent { image }, Some(hash)) = (chunk.at, chunk.key()) else {
                     continue;
                 };
                 let holder = layers[depth + 1..].iter().find(|l| l.manifest.id == image);
@@ -172,12 +174,12 @@ fn check_parent_refs(layers: &[Layer]) -> Result<(), ImageError> {
     Ok(())
 }
 
-fn stored_chunks(manifest: &Manifest) -> HashMap<ContentHash, StoredAt> {
+fn stored_chunks(manifest: &Manifest) -> HashMap<ChunkKey, StoredAt> {
     let mut by_hash = HashMap::new();
     for alloc in &manifest.allocations {
         for chunk in &alloc.chunks {
             if let (Location::Data { .. }, Some(hash), Some(crc32c)) =
-                (chunk.at, chunk.blake3, chunk.crc32c)
+                (chunk.at, chunk.key(), chunk.crc32c)
             {
                 by_hash.entry(hash).or_insert(StoredAt {
                     location: chunk.at,
@@ -213,13 +215,29 @@ fn first_damaged(manifest: &Manifest, file: u32, size: u64) -> String {
     String::new()
 }
 
-/// All hashes stored anywhere in the chain, with the id of the image that stores each
-/// (the nearest layer wins).
-pub(crate) fn chain_hashes(layers: &[Layer]) -> HashMap<ContentHash, ImageId> {
+/// A chunk the parent chain stores: which image, and its length and CRC (which a chunk
+/// that refers to it must repeat).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ParentChunk {
+    pub image: ImageId,
+    pub len: u64,
+    pub crc32c: u32,
+}
+
+/// All keys stored anywhere in the chain, with the image that stores each (the nearest
+/// layer wins).
+pub(crate) fn chain_hashes(layers: &[Layer]) -> HashMap<ChunkKey, ParentChunk> {
     let mut out = HashMap::new();
     for layer in layers.iter().rev() {
-        for hash in layer.by_hash.keys() {
-            out.insert(*hash, layer.manifest.id);
+        for (key, at) in &layer.by_hash {
+            out.insert(
+                *key,
+                ParentChunk {
+                    image: layer.manifest.id,
+                    len: at.len,
+                    crc32c: at.crc32c,
+                },
+            );
         }
     }
     out

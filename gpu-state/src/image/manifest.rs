@@ -10,11 +10,15 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::error::ImageError;
+pub use super::gpuhash::GpuHash;
 
 /// The `format` field of every manifest.
 pub const FORMAT_NAME: &str = "gpucr-gpu-state-image";
-/// The newest format version this code reads and the one it writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest format version this code reads. Version 2 added [`Chunk::gpu_hash`]; the
+/// writer writes 1 for images without it, so older readers still read those.
+pub const FORMAT_VERSION: u32 = 2;
+/// The version of images whose chunks carry no `gpu_hash`.
+pub const FORMAT_VERSION_BLAKE3_ONLY: u32 = 1;
 /// File name of the manifest inside an image directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// File name of the manifest's BLAKE3 checksum (64 hex digits and a newline).
@@ -132,10 +136,42 @@ pub struct Chunk {
     /// CRC32C (Castagnoli) of the uncompressed bytes; absent for zero chunks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32c: Option<u32>,
-    /// BLAKE3 of the uncompressed bytes, the dedup key; absent for zero chunks.
+    /// BLAKE3 of the uncompressed bytes, the dedup key of chunks hashed on the CPU;
+    /// absent for zero chunks and chunks hashed on the GPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub blake3: Option<ContentHash>,
+    /// gh1 digest (`gpuhash`), the dedup key of chunks hashed on the GPU (format 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_hash: Option<GpuHash>,
     pub at: Location,
+}
+
+impl Chunk {
+    /// The dedup key: the gh1 digest when there is one, else BLAKE3; `None` for zero chunks.
+    pub fn key(&self) -> Option<ChunkKey> {
+        match (self.gpu_hash, self.blake3) {
+            (Some(h), _) => Some(ChunkKey::Gpu(h)),
+            (None, Some(h)) => Some(ChunkKey::Blake3(h)),
+            (None, None) => None,
+        }
+    }
+}
+
+/// What identifies a chunk's bytes for dedup. The two kinds never match each other: a
+/// chunk hashed on the CPU and one hashed on the GPU are simply both stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChunkKey {
+    Blake3(ContentHash),
+    Gpu(GpuHash),
+}
+
+impl ChunkKey {
+    pub fn to_hex(&self) -> String {
+        match self {
+            ChunkKey::Blake3(h) => h.to_hex(),
+            ChunkKey::Gpu(h) => format!("gh1:{}", h.to_hex()),
+        }
+    }
 }
 
 /// Where a chunk's bytes are.
@@ -303,11 +339,17 @@ impl Manifest {
     }
 
     fn validate_location(&self, chunk: &Chunk, own_id: ImageId) -> Result<(), String> {
-        let has_sums = chunk.crc32c.is_some() && chunk.blake3.is_some();
+        let has_sums = chunk.crc32c.is_some() && chunk.key().is_some();
         match chunk.at {
-            Location::Zero if chunk.crc32c.is_none() && chunk.blake3.is_none() => Ok(()),
+            Location::Zero if chunk.crc32c.is_none() && chunk.key().is_none() => Ok(()),
             Location::Zero => Err("zero chunk carries checksums".into()),
-            _ if !has_sums => Err("crc32c or blake3 missing".into()),
+            _ if !has_sums => Err("crc32c or a hash (blake3 or gpu_hash) missing".into()),
+            _ if chunk.blake3.is_some() && chunk.gpu_hash.is_some() => {
+                Err("carries both blake3 and gpu_hash".into())
+            }
+            _ if chunk.gpu_hash.is_some() && self.version < 2 => {
+                Err(format!("gpu_hash in a version {} manifest", self.version))
+            }
             Location::Parent { image } => match &self.parent {
                 Some(_) if image != own_id => Ok(()),
                 Some(_) => Err("refers to its own image as parent".into()),

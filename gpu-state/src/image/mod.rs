@@ -33,6 +33,7 @@
 mod atomic;
 mod direct;
 mod error;
+pub mod gpuhash;
 mod layer;
 mod manifest;
 mod pipeline;
@@ -47,9 +48,9 @@ pub use direct::is_tmpfs;
 pub use error::{ChunkPlace, ImageError};
 pub use layer::MAX_CHAIN;
 pub use manifest::{
-    Allocation, AllocationTags, Chunk, Codec, Compression, ContentHash, DataFile, ImageId,
-    Location, Manifest, ParentRef, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MANIFEST_SUM_FILE,
-    MAX_CHUNK_SIZE,
+    Allocation, AllocationTags, Chunk, ChunkKey, Codec, Compression, ContentHash, DataFile,
+    GpuHash, ImageId, Location, Manifest, ParentRef, FORMAT_NAME, FORMAT_VERSION,
+    FORMAT_VERSION_BLAKE3_ONLY, MANIFEST_FILE, MANIFEST_SUM_FILE, MAX_CHUNK_SIZE,
 };
 pub use reader::{AllocationReader, ImageReader, MappedChunk, MappedImage, MappedRegion};
 pub use sink::AllocationSink;

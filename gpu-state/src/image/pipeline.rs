@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::direct::{DirectMap, DIRECT_ALIGN};
-use super::manifest::{Codec, Compression, ContentHash, DataFile, ImageId, Location};
+use super::layer::ParentChunk;
+use super::manifest::{ChunkKey, Codec, Compression, ContentHash, DataFile, GpuHash, Location};
 use super::staging::{StagingBuf, StagingPool};
 
 /// One filled chunk: in a staging buffer, or already in place in the direct file.
@@ -25,6 +26,9 @@ pub(crate) struct Job {
     pub index: usize,
     pub data: JobData,
     pub len: usize,
+    /// The chunk's gh1 digest, computed on the GPU before the copy: the chunk is known
+    /// not to be zero, and the worker only CRCs it (no BLAKE3).
+    pub known: Option<GpuHash>,
 }
 
 pub(crate) enum JobData {
@@ -41,7 +45,7 @@ pub(crate) enum JobData {
 pub(crate) enum Placed {
     Final(Location),
     /// Same bytes as a chunk another worker claimed; its location is known at the end.
-    SameAs(ContentHash),
+    SameAs(ChunkKey),
 }
 
 pub(crate) struct Done {
@@ -49,15 +53,16 @@ pub(crate) struct Done {
     pub index: usize,
     pub crc32c: Option<u32>,
     pub blake3: Option<ContentHash>,
+    pub gpu_hash: Option<GpuHash>,
     pub placed: Placed,
 }
 
 struct Shared {
     compression: Compression,
-    /// Hashes stored in the parent chain, with the image that stores each.
-    parent: HashMap<ContentHash, ImageId>,
-    /// Hashes stored in this image: `None` while the claiming worker is still writing.
-    stored: Mutex<HashMap<ContentHash, Option<Location>>>,
+    /// Keys stored in the parent chain, with the image that stores each.
+    parent: HashMap<ChunkKey, ParentChunk>,
+    /// Keys stored in this image: `None` while the claiming worker is still writing.
+    stored: Mutex<HashMap<ChunkKey, Option<Location>>>,
     error: Mutex<Option<String>>,
     abort: AtomicBool,
 }
@@ -76,7 +81,7 @@ impl Pipeline {
         threads: usize,
         pool: Arc<StagingPool>,
         compression: Compression,
-        parent: HashMap<ContentHash, ImageId>,
+        parent: HashMap<ChunkKey, ParentChunk>,
     ) -> std::io::Result<Pipeline> {
         let shared = Arc::new(Shared {
             compression,
@@ -182,7 +187,7 @@ impl Drop for Pipeline {
 pub(crate) struct Finished {
     pub done: Vec<Done>,
     pub files: Vec<DataFile>,
-    pub stored: HashMap<ContentHash, Option<Location>>,
+    pub stored: HashMap<ChunkKey, Option<Location>>,
 }
 
 struct Worker {
@@ -256,17 +261,28 @@ impl Worker {
             index: job.index,
             crc32c: None,
             blake3: None,
+            gpu_hash: None,
             placed: Placed::Final(Location::Zero),
         };
-        if is_zero(data) {
-            self.unplace(job)?;
-            return Ok(record);
-        }
-        let (hash, crc) = checksums(data);
-        record.crc32c = Some(crc);
-        record.blake3 = Some(hash);
-        if let Some(image) = self.shared.parent.get(&hash) {
-            record.placed = Placed::Final(Location::Parent { image: *image });
+        let hash = match job.known {
+            Some(h) => {
+                record.crc32c = Some(crc32c::crc32c(data));
+                record.gpu_hash = Some(h);
+                ChunkKey::Gpu(h)
+            }
+            None => {
+                if is_zero(data) {
+                    self.unplace(job)?;
+                    return Ok(record);
+                }
+                let (hash, crc) = checksums(data);
+                record.crc32c = Some(crc);
+                record.blake3 = Some(hash);
+                ChunkKey::Blake3(hash)
+            }
+        };
+        if let Some(p) = self.shared.parent.get(&hash) {
+            record.placed = Placed::Final(Location::Parent { image: p.image });
             self.unplace(job)?;
             return Ok(record);
         }

@@ -10,8 +10,8 @@ use std::sync::{mpsc, Arc, Mutex};
 
 use super::direct::{is_tmpfs, ReadMap};
 use super::error::{ChunkPlace, ImageError};
-use super::layer::{chain_hashes, open_chain, Layer};
-use super::manifest::{Allocation, Codec, ContentHash, ImageId, Location, Manifest};
+use super::layer::{chain_hashes, open_chain, Layer, ParentChunk};
+use super::manifest::{Allocation, ChunkKey, Codec, ContentHash, ImageId, Location, Manifest};
 use super::staging::{StagingBuf, StagingPool};
 use super::summary::Summary;
 use super::writer::NoDirect;
@@ -361,7 +361,7 @@ impl ImageReader {
                 file: std::path::PathBuf::new(),
                 file_offset: 0,
             };
-            let (layer, location) = match (chunk.at, chunk.blake3) {
+            let (layer, location) = match (chunk.at, chunk.key()) {
                 (Location::Zero, _) => {
                     out.push(MappedChunk {
                         len: chunk.len as usize,
@@ -431,7 +431,7 @@ impl ImageReader {
     }
 
     /// Every hash the chain stores, with the image that stores it (for delta writers).
-    pub(crate) fn stored_hashes(&self) -> HashMap<ContentHash, ImageId> {
+    pub(crate) fn stored_hashes(&self) -> HashMap<ChunkKey, ParentChunk> {
         chain_hashes(&self.layers)
     }
 
@@ -477,7 +477,7 @@ impl ImageReader {
     ) -> Result<(), ImageError> {
         let alloc = &self.allocations()[a];
         let chunk = &alloc.chunks[index];
-        let (layer, location) = match (chunk.at, chunk.blake3) {
+        let (layer, location) = match (chunk.at, chunk.key()) {
             (Location::Zero, _) => {
                 out.fill(0);
                 return Ok(());

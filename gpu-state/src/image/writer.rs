@@ -13,10 +13,13 @@ use std::sync::Arc;
 use super::atomic::{create_temp_dir, fsync_path, publish, random_id, remove_stale_temps};
 use super::direct::{is_tmpfs, DirectMap, DIRECT_ALIGN, DIRECT_FILE};
 use super::error::ImageError;
+use super::gpuhash::ChunkDigest;
+use super::layer::ParentChunk;
 use super::manifest::Compression;
 use super::manifest::{
-    Allocation, AllocationTags, Chunk, ContentHash, DataFile, ImageId, Location, Manifest,
-    ParentRef, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, MANIFEST_SUM_FILE,
+    Allocation, AllocationTags, Chunk, ChunkKey, ContentHash, DataFile, GpuHash, ImageId, Location,
+    Manifest, ParentRef, FORMAT_NAME, FORMAT_VERSION, FORMAT_VERSION_BLAKE3_ONLY, MANIFEST_FILE,
+    MANIFEST_SUM_FILE,
 };
 use super::pipeline::{Done, Job, JobData, Pipeline, Placed};
 use super::reader::ImageReader;
@@ -34,6 +37,10 @@ pub struct WriterStats {
     pub buffers_allocated: usize,
     /// Whether the staging buffers are pinned for DMA.
     pub staging_pinned: bool,
+    /// Chunks [`resolve`](ImageWriter::resolve)d as all zero: never copied.
+    pub resolved_zero: usize,
+    /// Chunks resolved as stored by the parent chain: never copied.
+    pub resolved_parent: usize,
 }
 
 /// One chunk's staging buffer between [`ImageWriter::stage`] and
@@ -154,6 +161,8 @@ struct AllocState {
     tags: AllocationTags,
     submitted: Vec<bool>,
     done: Vec<Option<Done>>,
+    /// gh1 digests of chunks resolved before their copy (see `resolve`).
+    known: Vec<Option<GpuHash>>,
     /// Each chunk's offset in the direct data file (empty without one).
     direct_at: Vec<u64>,
 }
@@ -176,6 +185,10 @@ pub struct ImageWriter {
     ranges: BTreeMap<(Option<u32>, u64), u64>,
     pipeline: Option<Pipeline>,
     direct: Option<Direct>,
+    /// The parent chain's chunks hashed on the GPU, for [`resolve`](Self::resolve).
+    parent_gpu: HashMap<GpuHash, ParentChunk>,
+    resolved_zero: usize,
+    resolved_parent: usize,
 }
 
 impl ImageWriter {
@@ -217,6 +230,13 @@ impl ImageWriter {
             }
             None => (None, HashMap::new()),
         };
+        let parent_gpu = parent_hashes
+            .iter()
+            .filter_map(|(k, p)| match k {
+                ChunkKey::Gpu(h) => Some((*h, *p)),
+                ChunkKey::Blake3(_) => None,
+            })
+            .collect();
         // Pinned at the first staged chunk: a direct copy-out may never need it.
         let pool = StagingPool::new_deferred(opts.max_in_flight, opts.chunk_size, pin)?;
         let temp = create_temp_dir(dir)?;
@@ -240,6 +260,9 @@ impl ImageWriter {
             ranges: BTreeMap::new(),
             pipeline: Some(pipeline),
             direct: None,
+            parent_gpu,
+            resolved_zero: 0,
+            resolved_parent: 0,
         })
     }
 
@@ -273,6 +296,7 @@ impl ImageWriter {
             tags,
             submitted: vec![false; chunks],
             done: (0..chunks).map(|_| None).collect(),
+            known: vec![None; chunks],
             direct_at: Vec::new(),
         });
         Ok(AllocId(self.allocations.len() - 1))
@@ -332,6 +356,48 @@ impl ImageWriter {
         })
     }
 
+    /// Tells the writer a chunk's identity before its bytes are copied (`digest` from
+    /// the GPU, see [`gpuhash`](super::gpuhash)). A zero chunk, or one the parent chain
+    /// stores with that digest, is recorded now and needs no copy: `false`. Otherwise the
+    /// digest is kept for the chunk, whose bytes then go through [`stage`](Self::stage)
+    /// or [`stage_direct`](Self::stage_direct) as usual (the workers only CRC them): `true`.
+    /// Call it before [`start_direct`](Self::start_direct), which then leaves resolved
+    /// chunks no place.
+    pub fn resolve(
+        &mut self,
+        alloc: AllocId,
+        offset: u64,
+        digest: ChunkDigest,
+    ) -> Result<bool, ImageError> {
+        let (index, len) = self.slot(alloc, offset)?;
+        let mut done = Done {
+            alloc: alloc.0,
+            index,
+            crc32c: None,
+            blake3: None,
+            gpu_hash: None,
+            placed: Placed::Final(Location::Zero),
+        };
+        match digest {
+            ChunkDigest::Zero => self.resolved_zero += 1,
+            ChunkDigest::Hash(h) => match self.parent_gpu.get(&h) {
+                Some(p) if p.len == len as u64 => {
+                    done.crc32c = Some(p.crc32c);
+                    done.gpu_hash = Some(h);
+                    done.placed = Placed::Final(Location::Parent { image: p.image });
+                    self.resolved_parent += 1;
+                }
+                _ => {
+                    self.allocations[alloc.0].known[index] = Some(h);
+                    return Ok(true);
+                }
+            },
+        }
+        self.allocations[alloc.0].submitted[index] = true;
+        self.record(done);
+        Ok(false)
+    }
+
     /// Hands a filled chunk to the workers.
     pub fn commit(&mut self, staged: StagedChunk) -> Result<(), ImageError> {
         // Refuses a chunk written meanwhile (two stages of one chunk).
@@ -353,6 +419,7 @@ impl ImageWriter {
             index,
             data: JobData::Staged(buf),
             len,
+            known: self.allocations[alloc.0].known[index],
         };
         self.pipeline_mut()
             .submit(job)
@@ -491,6 +558,7 @@ impl ImageWriter {
             index: chunk.index,
             data,
             len: chunk.len,
+            known: self.allocations[chunk.alloc.0].known[chunk.index],
         };
         self.pipeline_mut()
             .submit(job)
@@ -520,6 +588,8 @@ impl ImageWriter {
             peak_in_flight: pool.map_or(0, |p| p.peak_in_use()),
             buffers_allocated: pool.map_or(0, |p| p.count()),
             staging_pinned: pool.is_some_and(|p| p.is_pinned()),
+            resolved_zero: self.resolved_zero,
+            resolved_parent: self.resolved_parent,
         }
     }
 
@@ -627,7 +697,7 @@ impl ImageWriter {
     fn build_manifest(
         &mut self,
         files: &[DataFile],
-        stored: &HashMap<ContentHash, Option<Location>>,
+        stored: &HashMap<ChunkKey, Option<Location>>,
     ) -> Result<Manifest, ImageError> {
         let chunk_size = self.opts.chunk_size as u64;
         let mut allocations = Vec::with_capacity(self.allocations.len());
@@ -654,6 +724,7 @@ impl ImageWriter {
                     len: chunk_size.min(state.size - offset),
                     crc32c: done.crc32c,
                     blake3: done.blake3,
+                    gpu_hash: done.gpu_hash,
                     at,
                 });
             }
@@ -664,9 +735,17 @@ impl ImageWriter {
                 chunks,
             });
         }
+        let gpu_hashed = allocations
+            .iter()
+            .any(|a: &Allocation| a.chunks.iter().any(|c| c.gpu_hash.is_some()));
         Ok(Manifest {
             format: FORMAT_NAME.to_string(),
-            version: FORMAT_VERSION,
+            // Older readers still read images without gh1 digests.
+            version: if gpu_hashed {
+                FORMAT_VERSION
+            } else {
+                FORMAT_VERSION_BLAKE3_ONLY
+            },
             id: self.id,
             chunk_size,
             compression: self.opts.compression,
