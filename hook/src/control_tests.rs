@@ -54,6 +54,9 @@ impl Engine for StubEngine {
             peak_staging_bytes: 0,
             seconds: 0.0,
             profile: Default::default(),
+            copied_bytes: 10,
+            zero_chunks: 0,
+            parent_chunks: 0,
         })
     }
     fn release(&self) -> Result<MemoryReport, StubError> {

@@ -15,9 +15,12 @@
 //! Tested on CPU against tests/fake-libcuda through the interposition layer; not run
 //! on a GPU yet.
 
-use std::ffi::{c_int, c_uint, c_ulonglong, c_void};
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+
+use gpu_state::image::gpuhash::{ChunkSums, LANES, SEGMENT_WORDS};
 
 use libloading::Library;
 use thiserror::Error;
@@ -91,6 +94,33 @@ type FnStreamSync = unsafe extern "C" fn(Stream) -> CuResult;
 type FnDtoHAsync = unsafe extern "C" fn(*mut c_void, DevicePtr, usize, Stream) -> CuResult;
 type FnHtoDAsync = unsafe extern "C" fn(DevicePtr, *const c_void, usize, Stream) -> CuResult;
 
+type FnModuleLoadData = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CuResult;
+type FnModuleGetFunction =
+    unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> CuResult;
+type FnModuleUnload = unsafe extern "C" fn(*mut c_void) -> CuResult;
+#[allow(clippy::type_complexity)]
+type FnLaunchKernel = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    Stream,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> CuResult;
+type FnMemAlloc = unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult;
+type FnMemFree = unsafe extern "C" fn(DevicePtr) -> CuResult;
+type FnMemsetD8Async = unsafe extern "C" fn(DevicePtr, u8, usize, Stream) -> CuResult;
+
+/// The gh1 kernel (`hook/kernels/gpuhash.cu`, built to PTX by `build-ptx.sh`),
+/// NUL-terminated for `cuModuleLoadData`; the driver JIT-compiles it at first use.
+const GH1_PTX: &str = concat!(include_str!("../kernels/gpuhash.ptx"), "\0");
+const GH1_ENTRY: &std::ffi::CStr = c"gpucr_gh1";
+
 /// `CUstream`.
 type Stream = *mut c_void;
 
@@ -131,6 +161,24 @@ struct RegisterFns {
     unregister: FnHostUnregister,
 }
 
+/// What hashing on the device needs (all present, or no device hash).
+#[derive(Clone, Copy)]
+struct HashFns {
+    load: FnModuleLoadData,
+    get_function: FnModuleGetFunction,
+    unload: FnModuleUnload,
+    launch: FnLaunchKernel,
+    alloc: FnMemAlloc,
+    free: FnMemFree,
+    memset: FnMemsetD8Async,
+}
+
+/// The loaded gh1 module and its kernel (`CUmodule`, `CUfunction`).
+struct Kernel {
+    module: *mut c_void,
+    function: *mut c_void,
+}
+
 /// The VMM API of one libcuda. See the module docs.
 pub struct CudaDriver {
     device: c_int,
@@ -151,6 +199,11 @@ pub struct CudaDriver {
     sync: FnSync,
     async_fns: Option<StreamFns>,
     register_fns: Option<RegisterFns>,
+    hash_fns: Option<HashFns>,
+    /// The gh1 kernel, loaded at the first device hash, unloaded by `end_copies`.
+    kernel: Mutex<Option<Kernel>>,
+    /// Loading the kernel failed once: no more tries (logged then).
+    kernel_failed: AtomicBool,
     /// Copy streams, made at first use, destroyed by `end_copies`.
     streams: Mutex<Vec<Stream>>,
     _lib: Option<Library>,
@@ -252,6 +305,17 @@ impl CudaDriver {
                 unregister: want(resolve, "cuMemHostUnregister")?,
             })
         })();
+        let hash_fns = (|| {
+            Some(HashFns {
+                load: want(resolve, "cuModuleLoadData")?,
+                get_function: want(resolve, "cuModuleGetFunction")?,
+                unload: want(resolve, "cuModuleUnload")?,
+                launch: want(resolve, "cuLaunchKernel")?,
+                alloc: want(resolve, "cuMemAlloc_v2")?,
+                free: want(resolve, "cuMemFree_v2")?,
+                memset: want(resolve, "cuMemsetD8Async")?,
+            })
+        })();
         Ok(CudaDriver {
             device,
             ctx,
@@ -270,6 +334,9 @@ impl CudaDriver {
             sync: need(resolve, "cuCtxSynchronize")?,
             async_fns,
             register_fns,
+            hash_fns,
+            kernel: Mutex::new(None),
+            kernel_failed: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
             _lib: None,
         })
@@ -313,6 +380,25 @@ impl CudaDriver {
             usage: 0,
             reserved: [0; 4],
         }
+    }
+
+    /// Loads the gh1 module (the driver JIT-compiles the PTX) and finds its kernel.
+    fn load_kernel(&self, h: &HashFns) -> Result<Kernel, DriverError> {
+        let call = DriverCall::Hash;
+        let mut module = std::ptr::null_mut();
+        // SAFETY: NUL-terminated PTX text; out-pointer to a local.
+        check(call, unsafe {
+            (h.load)(&mut module, GH1_PTX.as_ptr().cast())
+        })?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the module just loaded; a NUL-terminated name.
+        let rc = unsafe { (h.get_function)(&mut function, module, GH1_ENTRY.as_ptr()) };
+        if rc != 0 {
+            // SAFETY: our module, unused.
+            unsafe { (h.unload)(module) };
+            return Err(DriverError { call, code: rc });
+        }
+        Ok(Kernel { module, function })
     }
 
     /// Copy stream `index`, made (with those before it) at first use.
@@ -505,7 +591,118 @@ impl VmmDriver for CudaDriver {
         check(DriverCall::Synchronize, unsafe { (self.sync)() })
     }
 
+    fn chunk_sums(
+        &self,
+        regions: &[(DevicePtr, u64)],
+        chunk: u64,
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+        let (Some(h), Some(f)) = (self.hash_fns, self.async_fns) else {
+            return Ok(None);
+        };
+        // gh1 reads whole words; VMM allocations are granularity multiples anyway.
+        if chunk == 0 || chunk & 7 != 0 || regions.iter().any(|r| r.1 & 7 != 0) {
+            return Ok(None);
+        }
+        self.bind();
+        let mut kernel = self.kernel.lock().unwrap_or_else(|p| p.into_inner());
+        if kernel.is_none() {
+            if self.kernel_failed.load(Ordering::Relaxed) {
+                return Ok(None);
+            }
+            match self.load_kernel(&h) {
+                Ok(k) => *kernel = Some(k),
+                Err(e) => {
+                    self.kernel_failed.store(true, Ordering::Relaxed);
+                    tracing::warn!(error = %e, "cannot load the hash kernel; hashing on the CPU");
+                    return Ok(None);
+                }
+            }
+        }
+        let function = kernel.as_ref().expect("just loaded").function;
+        let counts: Vec<u64> = regions.iter().map(|r| r.1.div_ceil(chunk)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return Ok(Some(regions.iter().map(|_| Vec::new()).collect()));
+        }
+        let call = DriverCall::Hash;
+        let bytes = csize(call, total * 24)?;
+        let stream = self.stream(&f, call, 0)?;
+        let mut out: DevicePtr = 0;
+        // SAFETY: out-pointer to a local; freed below on every path.
+        check(call, unsafe { (h.alloc)(&mut out, bytes) })?;
+        let result = (|| {
+            // SAFETY: `out` is `bytes` long; the stream is ours.
+            check(call, unsafe { (h.memset)(out, 0, bytes, stream) })?;
+            let chunk_words = chunk / 8;
+            let segs = chunk_words.div_ceil(SEGMENT_WORDS as u64);
+            let mut at = 0u64;
+            for (&(va, len), &n) in regions.iter().zip(&counts) {
+                if n > 0 {
+                    let blocks = c_uint::try_from(n * segs).map_err(|_| DriverError {
+                        call,
+                        code: crate::driver::CUDA_ERROR_INVALID_VALUE,
+                    })?;
+                    let (mut base, mut words, mut cw, mut sg, mut dst) =
+                        (va, len / 8, chunk_words, segs, out + at * 24);
+                    let mut params: [*mut c_void; 5] = [
+                        (&mut base as *mut u64).cast(),
+                        (&mut words as *mut u64).cast(),
+                        (&mut cw as *mut u64).cast(),
+                        (&mut sg as *mut u64).cast(),
+                        (&mut dst as *mut u64).cast(),
+                    ];
+                    // SAFETY: the kernel's five u64 parameters, by address; the region is
+                    // mapped device memory of `len` bytes; `dst` has room for `n` chunks.
+                    check(call, unsafe {
+                        (h.launch)(
+                            function,
+                            blocks,
+                            1,
+                            1,
+                            LANES as c_uint,
+                            1,
+                            1,
+                            0,
+                            stream,
+                            params.as_mut_ptr(),
+                            std::ptr::null_mut(),
+                        )
+                    })?;
+                }
+                at += n;
+            }
+            // SAFETY: our stream.
+            check(call, unsafe { (f.stream_sync)(stream) })?;
+            let mut host = vec![0u64; total as usize * 3];
+            // SAFETY: `host` holds `bytes` bytes; the kernels are done.
+            check(call, unsafe {
+                (self.dtoh)(host.as_mut_ptr().cast(), out, bytes)
+            })?;
+            let mut sums = host.chunks_exact(3).map(|w| ChunkSums {
+                a: w[0],
+                b: w[1],
+                or: w[2],
+            });
+            Ok(counts
+                .iter()
+                .map(|&n| sums.by_ref().take(n as usize).collect())
+                .collect())
+        })();
+        // SAFETY: allocated above; the stream was synchronized (or failed, and then
+        // cuMemFree waits for the device itself).
+        unsafe { (h.free)(out) };
+        result.map(Some)
+    }
+
     fn end_copies(&self) {
+        if let (Some(k), Some(h)) = (
+            self.kernel.lock().unwrap_or_else(|p| p.into_inner()).take(),
+            self.hash_fns,
+        ) {
+            self.bind();
+            // SAFETY: our module; nothing launches from it after this.
+            unsafe { (h.unload)(k.module) };
+        }
         let streams = std::mem::take(&mut *self.streams.lock().unwrap_or_else(|p| p.into_inner()));
         if let (false, Some(f)) = (streams.is_empty(), self.async_fns) {
             self.bind();

@@ -5,6 +5,7 @@
 //! `FakeDriver` (tests or feature `fake`). Every method takes `&self`: the
 //! driver is shared by the application's threads and the control thread.
 
+use gpu_state::image::gpuhash::ChunkSums;
 use thiserror::Error;
 
 /// A device virtual address (`CUdeviceptr`).
@@ -32,6 +33,8 @@ pub enum DriverCall {
     Wait,
     RegisterHost,
     UnregisterHost,
+    /// Hashing chunks on the device (module load, kernel launch, its small buffer).
+    Hash,
 }
 
 /// A failed driver call: which call and the driver's result code (`CUresult`).
@@ -112,8 +115,20 @@ pub trait VmmDriver: Send + Sync {
     /// Waits for every copy issued on `stream` (`cuStreamSynchronize`). When it returns,
     /// also with an error, none of them touches host memory any more.
     fn wait(&self, stream: usize) -> Result<(), DriverError>;
-    /// A copy-out or copy-in finished: resources held for copies (streams) can go, so a
-    /// checkpoint does not carry them.
+    /// gh1 sums ([`gpu_state::image::gpuhash`]) of every `chunk`-byte piece of each region
+    /// `(va, len)`, in order (a region's last piece may be shorter), computed on the
+    /// device before anything is copied. `Ok(None)`: this driver cannot (the copy-out then
+    /// hashes on the CPU after copying).
+    fn chunk_sums(
+        &self,
+        regions: &[(DevicePtr, u64)],
+        chunk: u64,
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+        let _ = (regions, chunk);
+        Ok(None)
+    }
+    /// A copy-out or copy-in finished: resources held for copies (streams, the hash
+    /// kernel's module) can go, so a checkpoint does not carry them.
     fn end_copies(&self) {}
 }
 

@@ -14,6 +14,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
+use gpu_state::image::gpuhash::{self, ChunkSums};
+
 use crate::driver::{
     DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver, CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -47,6 +49,8 @@ struct State {
     host: HostStats,
     /// Async copies issued and not yet waited for, in issue order.
     pending: Vec<Pending>,
+    /// Whether `chunk_sums` hashes (like a driver with the kernel) or says it cannot.
+    device_hash: bool,
 }
 
 /// What the fake saw of host registrations and async copies.
@@ -64,6 +68,10 @@ pub struct HostStats {
     pub peak_outstanding: usize,
     /// Unregistrations refused because a copy into the range was outstanding.
     pub unregistered_under_dma: usize,
+    /// Device bytes copied to the host (sync and async).
+    pub bytes_to_host: u64,
+    /// `chunk_sums` calls answered with sums.
+    pub device_hashes: usize,
 }
 
 /// An async copy waiting for its stream's `wait`. Host addresses as integers: the
@@ -123,6 +131,12 @@ impl FakeDriver {
         self.lock().fail_next.push((call, skip));
     }
 
+    /// Makes `chunk_sums` hash on the "device" (the CPU reference over the fake's
+    /// memory), as the real driver does with the hash kernel; off by default.
+    pub fn set_device_hash(&self, on: bool) {
+        self.lock().device_hash = on;
+    }
+
     /// Bytes of physical memory alive now.
     pub fn physical_bytes(&self) -> u64 {
         self.lock().physical.values().map(|v| v.len() as u64).sum()
@@ -176,6 +190,9 @@ impl FakeDriver {
         }
         Self::resolve(&s, call, p.va, p.len as u64)?;
         s.host.async_copies += 1;
+        if p.to_host {
+            s.host.bytes_to_host += p.len as u64;
+        }
         if !Self::is_registered(&s, p.host, p.len) {
             s.host.pageable_async_copies += 1;
         }
@@ -367,6 +384,7 @@ impl VmmDriver for FakeDriver {
         Self::check(&mut s, call)?;
         let (handle, offset) = Self::resolve(&s, call, src, dst.len() as u64)?;
         dst.copy_from_slice(&s.physical[&handle][offset..offset + dst.len()]);
+        s.host.bytes_to_host += dst.len() as u64;
         Ok(())
     }
 
@@ -449,6 +467,34 @@ impl VmmDriver for FakeDriver {
             len,
         };
         self.issue(DriverCall::CopyFromHost, p)
+    }
+
+    fn chunk_sums(
+        &self,
+        regions: &[(DevicePtr, u64)],
+        chunk: u64,
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+        let call = DriverCall::Hash;
+        let mut s = self.lock();
+        if !s.device_hash {
+            return Ok(None);
+        }
+        Self::check(&mut s, call)?;
+        if chunk == 0 {
+            return Err(invalid(call));
+        }
+        let mut out = Vec::with_capacity(regions.len());
+        for &(va, len) in regions {
+            let (handle, offset) = Self::resolve(&s, call, va, len)?;
+            let memory = &s.physical[&handle][offset..offset + len as usize];
+            let sums = memory
+                .chunks(chunk as usize)
+                .map(|c| gpuhash::chunk_sums(c).ok_or_else(|| invalid(call)))
+                .collect::<Result<Vec<_>, _>>()?;
+            out.push(sums);
+        }
+        s.host.device_hashes += 1;
+        Ok(Some(out))
     }
 
     fn wait(&self, stream: usize) -> Result<(), DriverError> {

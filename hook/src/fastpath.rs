@@ -94,6 +94,9 @@ pub struct FastPathOptions {
     pub direct: bool,
     /// Bytes of the direct data file registered at one time.
     pub direct_window: usize,
+    /// Hash chunks on the GPU before copying (when the driver can): zero chunks and
+    /// chunks the parent image stores are not copied, the rest only CRC'd on the CPU.
+    pub device_hash: bool,
 }
 
 /// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
@@ -105,6 +108,7 @@ pub const ENV_STREAMS: &str = "GPUCR_HOOK_STREAMS";
 pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
 pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
 pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
+pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
 
 /// Hook defaults: large chunks (fewer calls per GB), no compression (model weights
 /// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
@@ -130,7 +134,8 @@ impl FastPathOptions {
     /// `GPUCR_HOOK_THREADS` (CPUs, at most 16), `GPUCR_HOOK_STREAMS` (4),
     /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory),
     /// `GPUCR_HOOK_DIRECT` (`0`; `1`: direct copy-out into tmpfs images),
-    /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048).
+    /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048), `GPUCR_HOOK_DEVICE_HASH` (`1`; `0` hashes
+    /// every chunk on the CPU after copying it).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -181,6 +186,7 @@ impl FastPathOptions {
         let pin = flag(ENV_PIN, true)?;
         let direct = flag(ENV_DIRECT, false)?;
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
+        let device_hash = flag(ENV_DEVICE_HASH, true)?;
         Ok(FastPathOptions {
             image: ImageOptions {
                 chunk_size,
@@ -197,6 +203,7 @@ impl FastPathOptions {
             pin,
             direct,
             direct_window,
+            device_hash,
         })
     }
 
@@ -522,6 +529,15 @@ impl<D: VmmDriver> Drop for Windows<'_, D> {
     }
 }
 
+/// One chunk a copy-out moves: allocation `id` at device address `va`, `len` bytes
+/// from `offset`.
+struct ChunkTodo {
+    id: AllocId,
+    va: DevicePtr,
+    offset: u64,
+    len: u64,
+}
+
 /// Why the direct copy-in stopped.
 enum DirectInError {
     Driver(DriverError),
@@ -583,19 +599,15 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         &'d self,
         scope: &'s std::thread::Scope<'s, 'd>,
         writer: &mut ImageWriter,
-        allocs: &[Allocation],
-        ids: &[AllocId],
+        todo: &[ChunkTodo],
         region: Option<DirectRegion>,
     ) -> Result<(u64, usize, CopyProfile), FastPathError> {
-        let chunk_size = self.opts.image.chunk_size;
         let mut plan = None;
         if let Some(region) = region {
             let mut spans = Vec::new();
-            for (alloc, id) in allocs.iter().zip(ids) {
-                for offset in (0..alloc.size).step_by(chunk_size) {
-                    let (at, len) = writer.direct_place(*id, offset)?;
-                    spans.push(Some((region.base as usize + at as usize, len, 0)));
-                }
+            for c in todo {
+                let (at, len) = writer.direct_place(c.id, c.offset)?;
+                spans.push(Some((region.base as usize + at as usize, len, 0)));
             }
             plan = Some(plan_windows(spans, self.opts.direct_window));
         }
@@ -613,9 +625,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             self.opts.streams.min(self.opts.image.max_in_flight),
         );
         let mut bytes = 0;
-        let mut n = 0;
-        for (alloc, id) in allocs.iter().zip(ids) {
-            for offset in (0..alloc.size).step_by(chunk_size) {
+        for (n, c) in todo.iter().enumerate() {
+            let (id, offset) = (&c.id, c.offset);
+            {
                 // Only stage when a buffer can be had without waiting on our own copies.
                 if flight.is_full() {
                     if let Some(done) = flight.complete_oldest()? {
@@ -643,7 +655,6 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                         pending = Some(Pending::Direct(writer.stage_direct(*id, offset)?));
                     }
                 }
-                n += 1;
                 let pending = match pending {
                     Some(p) => p,
                     None => {
@@ -659,14 +670,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     // writer and the windows outlive it) until its stream is waited for.
                     unsafe {
                         self.driver()
-                            .copy_to_host_async(alloc.va + offset, dst, len, stream)
+                            .copy_to_host_async(c.va + offset, dst, len, stream)
                     }
                 })?;
                 if let Some(done) = done {
                     done.commit(writer)?;
                 }
             }
-            bytes += alloc.size;
+            bytes += c.len;
         }
         while let Some(done) = flight.complete_oldest()? {
             done.commit(writer)?;
@@ -678,6 +689,88 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             profile.register_wait = w.waited.as_secs_f64();
         }
         Ok((bytes, registered, profile))
+    }
+
+    /// The chunks to copy, in order. With the device hash (option and driver), every
+    /// chunk is hashed on the GPU first and [`ImageWriter::resolve`]d: zero chunks and
+    /// chunks the parent image stores are recorded without a copy. Without it, or when
+    /// hashing fails (logged), every chunk is copied and hashed on the CPU. The flag says
+    /// whether the device hash was used.
+    fn resolve_chunks(
+        &self,
+        writer: &mut ImageWriter,
+        allocs: &[Allocation],
+        ids: &[AllocId],
+    ) -> Result<(Vec<ChunkTodo>, bool), FastPathError> {
+        let chunk = self.opts.image.chunk_size as u64;
+        let all = |c: &mut Vec<ChunkTodo>, a: &Allocation, id: AllocId| {
+            for offset in (0..a.size).step_by(chunk as usize) {
+                c.push(ChunkTodo {
+                    id,
+                    va: a.va,
+                    offset,
+                    len: chunk.min(a.size - offset),
+                });
+            }
+        };
+        let mut todo = Vec::new();
+        // gh1 hashes whole words: an allocation of another size (a plain cuMemAlloc can
+        // ask for any) is hashed on the CPU.
+        let hashable = |a: &Allocation| a.size & 7 == 0 && chunk & 7 == 0;
+        let regions: Vec<_> = allocs
+            .iter()
+            .filter(|a| hashable(a))
+            .map(|a| (a.va, a.size))
+            .collect();
+        let sums = if self.opts.device_hash && !regions.is_empty() {
+            match self.driver().chunk_sums(&regions, chunk) {
+                Ok(sums) => sums,
+                Err(e) => {
+                    tracing::warn!(error = %e, "hashing on the GPU failed; hashing on the CPU after the copy");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let Some(sums) = sums else {
+            for (a, id) in allocs.iter().zip(ids) {
+                all(&mut todo, a, *id);
+            }
+            return Ok((todo, false));
+        };
+        let mut sums = sums.into_iter();
+        for (a, id) in allocs.iter().zip(ids) {
+            if !hashable(a) {
+                all(&mut todo, a, *id);
+                continue;
+            }
+            let Some(sums) = sums.next() else {
+                return Err(FastPathError::Driver(DriverError {
+                    call: crate::driver::DriverCall::Hash,
+                    code: crate::driver::CUDA_ERROR_INVALID_VALUE,
+                }));
+            };
+            if sums.len() as u64 != a.size.div_ceil(chunk) {
+                return Err(FastPathError::Driver(DriverError {
+                    call: crate::driver::DriverCall::Hash,
+                    code: crate::driver::CUDA_ERROR_INVALID_VALUE,
+                }));
+            }
+            for (i, s) in sums.into_iter().enumerate() {
+                let offset = i as u64 * chunk;
+                let len = chunk.min(a.size - offset);
+                if writer.resolve(*id, offset, s.digest(len))? {
+                    todo.push(ChunkTodo {
+                        id: *id,
+                        va: a.va,
+                        offset,
+                        len,
+                    });
+                }
+            }
+        }
+        Ok((todo, true))
     }
 
     /// The mapped direct data file when direct copy-out is asked for and possible.
@@ -741,10 +834,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .iter()
             .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
             .collect::<Result<Vec<_>, _>>()?;
+        let t = Instant::now();
+        let (todo, hashed) = self.resolve_chunks(&mut writer, &allocs, &ids)?;
+        let hash_seconds = t.elapsed().as_secs_f64();
         let region = self.direct_region(&mut writer)?;
-        let (bytes, windows, mut profile) = std::thread::scope(|scope| {
-            self.copy_chunks_out(scope, &mut writer, &allocs, &ids, region)
-        })?;
+        let (copied, windows, mut profile) =
+            std::thread::scope(|scope| self.copy_chunks_out(scope, &mut writer, &todo, region))?;
+        profile.device_hash = hash_seconds;
+        let bytes = allocs.iter().map(|a| a.size).sum();
         let stats = writer.stats();
         let t = Instant::now();
         writer.finish()?;
@@ -756,10 +853,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             peak_staging_bytes: stats.peak_in_flight as u64 * opts.chunk_size as u64,
             seconds: start.elapsed().as_secs_f64(),
             profile,
+            copied_bytes: copied,
+            zero_chunks: stats.resolved_zero,
+            parent_chunks: stats.resolved_parent,
         };
         tracing::info!(
             ?report,
             dir = %image_dir.display(),
+            device_hash = hashed,
             pinned = stats.staging_pinned,
             direct = region.is_some(),
             direct_windows = windows,

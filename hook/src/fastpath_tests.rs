@@ -35,6 +35,8 @@ fn opts() -> FastPathOptions {
         pin: true,
         direct: false,
         direct_window: 1 << 30,
+        // The fake hashes on the "device" only when a test switches it on.
+        device_hash: true,
     }
 }
 
@@ -1034,4 +1036,121 @@ fn direct_delta_images_refer_to_their_parent() {
         (s.driver.outstanding_copies(), s.driver.registered_ranges()),
         (0, 0)
     );
+}
+
+/// `populate` with word-multiple sizes only (gh1 hashes whole words) plus one odd one,
+/// and an all-zero allocation.
+fn populate_hashable(s: &Setup) -> Vec<(u64, Vec<u8>)> {
+    let mut out = Vec::new();
+    for (i, size) in [4096u64, 3 * CHUNK as u64 + 16, 5 * G, 4095]
+        .into_iter()
+        .enumerate()
+    {
+        let va = s.allocator.alloc(size).unwrap();
+        let data = pattern(i as u64 + 7, size);
+        s.driver.copy_from_host(va, &data).unwrap();
+        out.push((va, data));
+    }
+    let va = s.allocator.alloc(2 * CHUNK as u64).unwrap();
+    let zeros = vec![0; 2 * CHUNK];
+    s.driver.copy_from_host(va, &zeros).unwrap();
+    out.push((va, zeros));
+    out
+}
+
+fn with_device_hash(opts: FastPathOptions) -> Setup {
+    let s = setup_with(opts);
+    s.driver.set_device_hash(true);
+    s
+}
+
+fn gpu_hashed_chunks(dir: &Path) -> (usize, usize) {
+    let reader = ImageReader::open(dir).unwrap();
+    let chunks = reader.allocations().iter().flat_map(|a| &a.chunks);
+    chunks.fold((0, 0), |(g, b), c| {
+        (
+            g + c.gpu_hash.is_some() as usize,
+            b + c.blake3.is_some() as usize,
+        )
+    })
+}
+
+#[test]
+fn device_hash_skips_zero_chunks_and_restores_exactly() {
+    let s = with_device_hash(pipelined());
+    let expected = populate_hashable(&s);
+    let total: u64 = expected.iter().map(|(_, d)| d.len() as u64).sum();
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    let before = s.driver.host_stats();
+    let out = s.fast.copy_out(&image, None).unwrap();
+    let st = s.driver.host_stats();
+    assert_eq!(st.device_hashes - before.device_hashes, 1, "one hash call");
+    // The zero stretch of each patterned allocation (chunk 1) and the zero allocation.
+    assert_eq!(out.zero_chunks, 2 + 2, "{out:?}");
+    assert_eq!(out.parent_chunks, 0);
+    assert_eq!(out.bytes, total);
+    assert_eq!(out.copied_bytes, total - 4 * CHUNK as u64, "{out:?}");
+    assert_eq!(st.bytes_to_host - before.bytes_to_host, out.copied_bytes);
+    let (gpu, cpu) = gpu_hashed_chunks(&image);
+    assert!(gpu > 0, "chunks carry gh1 digests");
+    assert_eq!(cpu, 1, "the odd-sized allocation is hashed on the CPU");
+    round_trip(&s, &image, &expected);
+}
+
+#[test]
+fn device_hash_incremental_copies_only_what_changed() {
+    let s = with_device_hash(pipelined());
+    let mut expected = populate_hashable(&s);
+    let root = tempfile::tempdir().unwrap();
+    let (full, delta) = (root.path().join("full"), root.path().join("delta"));
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&full, None).unwrap();
+    s.fast.thaw().unwrap();
+    // One byte of one chunk of the big allocation changes.
+    let (va, data) = &mut expected[2];
+    data[3 * CHUNK + 5] ^= 0xff;
+    s.driver.copy_from_host(*va, data).unwrap();
+    s.fast.freeze().unwrap();
+    let before = s.driver.host_stats();
+    let out = s.fast.copy_out(&delta, Some(&full)).unwrap();
+    let moved = s.driver.host_stats().bytes_to_host - before.bytes_to_host;
+    // The changed chunk and the odd-sized allocation (CPU-hashed) cross; nothing else.
+    assert_eq!(moved, CHUNK as u64 + 4095, "{out:?}");
+    assert_eq!(out.copied_bytes, moved);
+    assert!(out.parent_chunks > 0);
+    round_trip(&s, &delta, &expected);
+}
+
+#[test]
+fn a_failed_device_hash_falls_back_to_the_cpu() {
+    let s = with_device_hash(pipelined());
+    let expected = populate_hashable(&s);
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.driver.fail_next(DriverCall::Hash);
+    s.fast.freeze().unwrap();
+    let out = s.fast.copy_out(&image, None).unwrap();
+    assert_eq!(out.copied_bytes, out.bytes, "everything copied");
+    assert_eq!((out.zero_chunks, out.parent_chunks), (0, 0));
+    assert_eq!(gpu_hashed_chunks(&image).0, 0, "BLAKE3 only");
+    round_trip(&s, &image, &expected);
+}
+
+#[test]
+fn device_hash_with_direct_copy_out_leaves_skipped_chunks_no_place() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = with_device_hash(direct());
+    let expected = populate_hashable(&s);
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    let out = s.fast.copy_out(&image, None).unwrap();
+    assert_eq!(out.zero_chunks, 4);
+    let (blocks, _) = data_usage(&image);
+    assert!(
+        blocks <= out.copied_bytes + 16 * 4096,
+        "{blocks} for {out:?}"
+    );
+    round_trip(&s, &image, &expected);
 }

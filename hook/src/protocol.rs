@@ -130,6 +130,16 @@ pub struct CopyOutReport {
     /// Where the copying thread waited.
     #[serde(default)]
     pub profile: CopyProfile,
+    /// Device bytes that crossed to the host: `bytes` less the chunks the GPU hash found
+    /// all zero or stored by the parent image.
+    #[serde(default)]
+    pub copied_bytes: u64,
+    /// Chunks found all zero on the GPU (never copied).
+    #[serde(default)]
+    pub zero_chunks: usize,
+    /// Chunks found in the parent image on the GPU (never copied).
+    #[serde(default)]
+    pub parent_chunks: usize,
 }
 
 /// Seconds the thread that issues the copies spent waiting, by cause: it tells a copy
@@ -145,6 +155,9 @@ pub struct CopyProfile {
     pub verify_wait: f64,
     pub register_wait: f64,
     pub finish: f64,
+    /// Hashing every chunk on the GPU and resolving zero and parent chunks, before the
+    /// first copy (0 without the device hash).
+    pub device_hash: f64,
 }
 
 /// A release's or remap's result.

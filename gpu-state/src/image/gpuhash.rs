@@ -117,7 +117,7 @@ impl ChunkSums {
 /// The CPU reference of the kernel for one chunk; `None` when `data.len()` is not a
 /// multiple of 8 (the GPU path is not used for such chunks).
 pub fn chunk_sums(data: &[u8]) -> Option<ChunkSums> {
-    if data.len() % 8 != 0 {
+    if data.len() & 7 != 0 {
         return None;
     }
     let words = data.len() / 8;
