@@ -12,7 +12,8 @@
 #    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
 #    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB,
 #    each optionally :PHASES, e.g. "1+63:driver,fast,incr")
-#    GPUCR_HOOK_SWEEP: hook settings side by side at GPUCR_HOOK_SWEEP_SIZE (fast path only)
+#    GPUCR_HOOK_SWEEP: hook settings side by side at GPUCR_HOOK_SWEEP_SIZE (phases
+#    GPUCR_HOOK_SWEEP_PHASES, default fast)
 # 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
 #    injects the hook and checkpoints/restores through it; hashes checked against references
 # Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
@@ -97,7 +98,7 @@ for entry in ${GPUCR_HOOK_SWEEP:-}; do
   env $(echo "$vars" | tr ',' ' ') timeout 300 python3 "$REPO/tests/gpu/hook_bench.py" \
     --workload "$TOOLS/workload" --drive "$TOOLS/drive" --hook "$TOOLS/libgpucr_hook.so" \
     --gib "$g" --static-gib "$st" --ref "$ref" --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" \
-    --label "$sweep_size-$label" --phases fast
+    --label "$sweep_size-$label" --phases "${GPUCR_HOOK_SWEEP_PHASES:-fast}"
   echo "sweep $label ($vars): hook_bench exit $?" | tee -a "$SUM"
 done
 grep -h '"phase"' "$RES" >>"$SUM" 2>/dev/null

@@ -34,6 +34,18 @@ def log(msg):
     print(f"[hook_bench] {msg}", flush=True)
 
 
+def gh1_check(image_dir, record):
+    """The kernel's gh1 digests in the image against numpy's (gh1.py) over the stored bytes."""
+    try:
+        import gh1
+        checked, bad, first = gh1.check_image(image_dir, limit=6)
+    except ImportError as e:
+        record("gh1", error=f"cannot check: {e}")
+        return
+    if checked:
+        record("gh1", image=os.path.basename(image_dir), checked=checked, mismatches=bad, first=first)
+
+
 class Hook:
     def __init__(self, path):
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -243,7 +255,9 @@ def main():
                    copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2), thaw_ms=round(th, 1),
                    pause_ms=round(total, 1), image_mib=du(img1) >> 20,
                    peak_rss_growth_mib=peak >> 20, out_profile=rep.get("profile"),
-                   in_profile=cin.get("profile"))
+                   in_profile=cin.get("profile"), copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   zero_chunks=rep.get("zero_chunks"), parent_chunks=rep.get("parent_chunks"))
+            gh1_check(img1, record)
 
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")
@@ -267,7 +281,10 @@ def main():
             co, rep = h.call("CopyOut", image_dir=img2, parent=img1)
             th, _ = h.call("Thaw")
             record("incr", copy_out_ms=round(co, 1), image_mib=du(img2) >> 20,
-                   full_image_mib=du(img1) >> 20, out_profile=rep.get("profile"))
+                   full_image_mib=du(img1) >> 20, out_profile=rep.get("profile"),
+                   copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   zero_chunks=rep.get("zero_chunks"), parent_chunks=rep.get("parent_chunks"))
+            gh1_check(img2, record)
             if a.disk:
                 img3 = os.path.join(a.disk, f"img3-{label}")
                 shutil.rmtree(img3, ignore_errors=True)
