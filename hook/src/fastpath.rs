@@ -16,9 +16,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use gpu_state::image::gpuhash::ChunkDigest;
 use gpu_state::image::{
     AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
-    ImageReader, ImageWriter, MappedImage, NoDirect, StagedChunk, StagingPin, StagingPool,
+    ImageReader, ImageWriter, Location, MappedImage, NoDirect, StagedChunk, StagingPin,
+    StagingPool,
 };
 use thiserror::Error;
 
@@ -67,6 +69,14 @@ pub enum FastPathError {
     NoImage,
     #[error("{count} allocation(s) have no physical memory; Remap and CopyIn before Thaw")]
     ReleasedMemory { count: usize },
+    #[error("after the copy-in, allocation {va:#x} at offset {offset:#x} does not match the gh1 digest in {}: the image or the copy is damaged; restore from another checkpoint", image.display())]
+    DeviceCheck {
+        va: DevicePtr,
+        offset: u64,
+        image: PathBuf,
+    },
+    #[error("the GPU check of the copied-in memory could not run (the hash kernel failed after the copy-in had begun); treat the restored memory as unchecked")]
+    DeviceCheckUnavailable,
 }
 
 /// How the fast path runs.
@@ -957,12 +967,29 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     pub fn copy_in(&self, image_dir: &Path) -> Result<CopyInReport, FastPathError> {
         let start = Instant::now();
         let allocs = self.movable()?;
-        let reader = ImageReader::open(image_dir)?;
+        let mut reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
-        let (bytes, staging_bytes, profile) = match self.fill_direct(&reader, &allocs, &plan)? {
+        // Chunks hashed on the GPU at copy-out are checked there after the copy (one
+        // kernel pass), not by the CPU reading every byte on the way in.
+        let device_check = self.opts.device_hash
+            && reader.has_gpu_hashes()
+            && matches!(
+                self.driver()
+                    .chunk_sums(&[], reader.manifest().chunk_size.max(8)),
+                Ok(Some(_))
+            );
+        if device_check {
+            reader.defer_gpu_hashed_checks();
+        }
+        let (bytes, staging_bytes, mut profile) = match self.fill_direct(&reader, &allocs, &plan)? {
             Some(done) => done,
             None => self.fill(&reader, &allocs, &plan)?,
         };
+        if device_check {
+            let t = Instant::now();
+            self.check_on_device(&reader, &allocs, &plan)?;
+            profile.device_hash = t.elapsed().as_secs_f64();
+        }
         let report = CopyInReport {
             allocations: allocs.len(),
             bytes,
@@ -972,6 +999,49 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
+    }
+
+    /// After a copy-in with deferred checks: hashes the allocations on the GPU and
+    /// compares every chunk that has a gh1 digest (and every zero chunk) with the image.
+    fn check_on_device(
+        &self,
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        plan: &[AllocId],
+    ) -> Result<(), FastPathError> {
+        let chunk = reader.manifest().chunk_size;
+        let pairs: Vec<_> = allocs
+            .iter()
+            .zip(plan)
+            .filter(|(a, _)| a.size & 7 == 0 && chunk & 7 == 0)
+            .collect();
+        let regions: Vec<_> = pairs.iter().map(|(a, _)| (a.va, a.size)).collect();
+        let sums = self
+            .driver()
+            .chunk_sums(&regions, chunk)?
+            .ok_or(FastPathError::DeviceCheckUnavailable)?;
+        for ((alloc, id), sums) in pairs.into_iter().zip(sums) {
+            let chunks = &reader.allocations()[id.0].chunks;
+            if sums.len() != chunks.len() {
+                return Err(FastPathError::DeviceCheckUnavailable);
+            }
+            for (c, s) in chunks.iter().zip(sums) {
+                let expected = match (c.at, c.gpu_hash) {
+                    (Location::Zero, _) => ChunkDigest::Zero,
+                    (_, Some(h)) => ChunkDigest::Hash(h),
+                    // CRC-checked on the CPU on the way in.
+                    (_, None) => continue,
+                };
+                if s.digest(c.len) != expected {
+                    return Err(FastPathError::DeviceCheck {
+                        va: alloc.va,
+                        offset: c.offset,
+                        image: reader.dir().to_path_buf(),
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Every chunk of `allocs` as (image allocation, chunk index), and its device address.

@@ -1154,3 +1154,96 @@ fn device_hash_with_direct_copy_out_leaves_skipped_chunks_no_place() {
     );
     round_trip(&s, &image, &expected);
 }
+
+/// Flips one byte of the first stored chunk of `image` (a raw data file).
+fn damage_first_stored_chunk(image: &Path) -> u64 {
+    use gpu_state::image::Location;
+    let reader = ImageReader::open(image).unwrap();
+    let (va, file, offset) = reader
+        .allocations()
+        .iter()
+        .find_map(|a| {
+            a.chunks.iter().find_map(|c| match c.at {
+                Location::Data { file, offset, .. } if c.gpu_hash.is_some() => {
+                    Some((a.va, file, offset))
+                }
+                _ => None,
+            })
+        })
+        .expect("a gh1 chunk");
+    let path = image.join(&reader.manifest().files[file as usize].name);
+    drop(reader);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[offset as usize + 3] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+    va
+}
+
+#[test]
+fn copy_in_checks_gpu_hashed_chunks_on_the_device() {
+    let s = with_device_hash(pipelined());
+    let expected = populate_hashable(&s);
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&image, None).unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    let before = s.driver.host_stats().device_hashes;
+    let rep = s.fast.copy_in(&image).unwrap();
+    // One probe and one check.
+    assert_eq!(s.driver.host_stats().device_hashes - before, 2, "{rep:?}");
+    s.fast.thaw().unwrap();
+    check(&s, &expected);
+
+    // A damaged chunk: the CPU no longer CRCs it, the device check catches it.
+    let va = damage_first_stored_chunk(&image);
+    s.fast.freeze().unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::DeviceCheck { va: v, .. } if v == va),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("does not match the gh1 digest"),
+        "{err}"
+    );
+}
+
+#[test]
+fn without_the_device_hash_copy_in_checks_crc_on_the_cpu() {
+    let s = with_device_hash(pipelined());
+    populate_hashable(&s);
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&image, None).unwrap();
+    damage_first_stored_chunk(&image);
+    s.driver.set_device_hash(false);
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(err.to_string().contains("CRC32C mismatch"), "{err}");
+}
+
+#[test]
+fn direct_copy_in_defers_gpu_hashed_chunks_to_the_device_check() {
+    let Some(root) = tmpfs_dir() else { return };
+    let s = with_device_hash(direct());
+    let expected = populate_hashable(&s);
+    let image = root.path().join("img");
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&image, None).unwrap();
+    round_trip(&s, &image, &expected);
+    let va = damage_first_stored_chunk(&image);
+    s.fast.freeze().unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::DeviceCheck { va: v, .. } if v == va),
+        "{err}"
+    );
+}

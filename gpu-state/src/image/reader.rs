@@ -36,6 +36,8 @@ pub struct MappedChunk {
     /// zero chunk.
     pub at: Option<(usize, u64)>,
     crc32c: Option<u32>,
+    /// Checked by the caller on the GPU (see [`ImageReader::defer_gpu_hashed_checks`]).
+    deferred: bool,
     place: ChunkPlace,
 }
 
@@ -80,6 +82,9 @@ impl MappedImage {
         let Some((map, offset)) = chunk.at else {
             return Ok(());
         };
+        if chunk.deferred {
+            return Ok(());
+        }
         let bytes = self.maps[map]
             .as_ref()
             .and_then(|m| m.slice(offset, chunk.len))
@@ -99,6 +104,9 @@ impl MappedImage {
 pub struct ImageReader {
     /// `layers[0]` is this image, then its parent, grandparent, …
     layers: Vec<Layer>,
+    /// Chunks with a gh1 digest are not CRC-checked when read or mapped: the caller
+    /// checks them on the GPU after copying.
+    defer_gpu_hashed: bool,
 }
 
 impl ImageReader {
@@ -108,6 +116,7 @@ impl ImageReader {
     pub fn open(dir: &Path) -> Result<ImageReader, ImageError> {
         Ok(ImageReader {
             layers: open_chain(dir, None)?,
+            defer_gpu_hashed: false,
         })
     }
 
@@ -116,11 +125,27 @@ impl ImageReader {
     pub fn open_with_parent(dir: &Path, parent: &Path) -> Result<ImageReader, ImageError> {
         Ok(ImageReader {
             layers: open_chain(dir, Some(parent))?,
+            defer_gpu_hashed: false,
         })
     }
 
     pub fn manifest(&self) -> &Manifest {
         &self.layers[0].manifest
+    }
+
+    /// From now on, chunks that carry a gh1 digest (`gpu_hash`) are read and mapped
+    /// without their CRC32C check: the caller promises to check them after copying them
+    /// to the GPU, by hashing them there ([`gpuhash`](super::gpuhash)) — the CPU then never
+    /// reads their bytes. [`verify`](Self::verify) still checks everything.
+    pub fn defer_gpu_hashed_checks(&mut self) {
+        self.defer_gpu_hashed = true;
+    }
+
+    /// Whether any chunk of this image carries a gh1 digest.
+    pub fn has_gpu_hashes(&self) -> bool {
+        self.allocations()
+            .iter()
+            .any(|a| a.chunks.iter().any(|c| c.gpu_hash.is_some()))
     }
 
     pub fn dir(&self) -> &Path {
@@ -185,7 +210,7 @@ impl ImageReader {
                 buf.len()
             )));
         }
-        self.load_chunk(id.0, index, &mut buf[..len], &mut Vec::new())?;
+        self.load_chunk(id.0, index, &mut buf[..len], &mut Vec::new(), false)?;
         Ok(len)
     }
 
@@ -215,7 +240,7 @@ impl ImageReader {
             let Some((index, out)) = next else {
                 return Ok(());
             };
-            self.load_chunk(id.0, index, out, scratch)?;
+            self.load_chunk(id.0, index, out, scratch, false)?;
         })
     }
 
@@ -271,7 +296,13 @@ impl ImageReader {
                         let (id, index) = chunks[i];
                         let len = self.allocations()[id.0].chunks[index].len as usize;
                         let msg = self
-                            .load_chunk(id.0, index, &mut buf[..len], &mut scratch)
+                            .load_chunk(
+                                id.0,
+                                index,
+                                &mut buf[..len],
+                                &mut scratch,
+                                self.defer_gpu_hashed,
+                            )
                             .map(|()| (i, buf, len));
                         let failed = msg.is_err();
                         if tx.send(msg).is_err() || failed {
@@ -367,6 +398,7 @@ impl ImageReader {
                         len: chunk.len as usize,
                         at: None,
                         crc32c: None,
+                        deferred: false,
                         place,
                     });
                     continue;
@@ -389,6 +421,7 @@ impl ImageReader {
                 len: chunk.len as usize,
                 at: Some((first[layer] + file as usize, offset)),
                 crc32c: chunk.crc32c,
+                deferred: self.defer_gpu_hashed && chunk.gpu_hash.is_some(),
                 place,
             });
         }
@@ -419,7 +452,7 @@ impl ImageReader {
                     return Ok(());
                 };
                 let len = self.allocations()[a].chunks[index].len as usize;
-                self.load_chunk(a, index, &mut out[..len], scratch)?;
+                self.load_chunk(a, index, &mut out[..len], scratch, false)?;
             }
         })?;
         Ok(self.inspect())
@@ -474,6 +507,7 @@ impl ImageReader {
         index: usize,
         out: &mut [u8],
         scratch: &mut Vec<u8>,
+        defer_gpu_hashed: bool,
     ) -> Result<(), ImageError> {
         let alloc = &self.allocations()[a];
         let chunk = &alloc.chunks[index];
@@ -532,6 +566,9 @@ impl ImageReader {
                 }
             }
         }
+        if defer_gpu_hashed && chunk.gpu_hash.is_some() {
+            return Ok(());
+        }
         let crc = crc32c::crc32c(out);
         match chunk.crc32c {
             Some(expected) if expected == crc => Ok(()),
@@ -567,6 +604,7 @@ impl Read for AllocationReader<'_> {
                     self.next_chunk,
                     &mut self.chunk,
                     &mut self.scratch,
+                    false,
                 )
                 .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
             self.next_chunk += 1;
