@@ -847,10 +847,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let t = Instant::now();
         let (todo, hashed) = self.resolve_chunks(&mut writer, &allocs, &ids)?;
         let hash_seconds = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let region = self.direct_region(&mut writer)?;
+        let direct_seconds = t.elapsed().as_secs_f64();
         let (copied, windows, mut profile) =
             std::thread::scope(|scope| self.copy_chunks_out(scope, &mut writer, &todo, region))?;
         profile.device_hash = hash_seconds;
+        profile.setup = staged_at + direct_seconds;
         let bytes = allocs.iter().map(|a| a.size).sum();
         let stats = writer.stats();
         let t = Instant::now();

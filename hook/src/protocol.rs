@@ -158,6 +158,9 @@ pub struct CopyProfile {
     /// Hashing every chunk on the GPU and resolving zero and parent chunks, before the
     /// first copy (0 without the device hash).
     pub device_hash: f64,
+    /// Copy-out: making the image writer (its workers' files, the parent chain) and, in
+    /// direct mode, the direct data file with all its pages.
+    pub setup: f64,
 }
 
 /// A release's or remap's result.
