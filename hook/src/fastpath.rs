@@ -637,55 +637,53 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let mut bytes = 0;
         for (n, c) in todo.iter().enumerate() {
             let (id, offset) = (&c.id, c.offset);
-            {
-                // Only stage when a buffer can be had without waiting on our own copies.
-                if flight.is_full() {
-                    if let Some(done) = flight.complete_oldest()? {
-                        done.commit(writer)?;
-                    }
-                }
-                let mut pending = None;
-                if let Some(win) = windows.as_mut() {
-                    // Direct places are page aligned: no head.
-                    let (k, _) = of[n].expect("every chunk has a window");
-                    if win.current() != Some(k) {
-                        // No copy may still target the window that goes.
-                        while let Some(done) = flight.complete_oldest()? {
-                            done.commit(writer)?;
-                        }
-                        if let Err(e) = win.enter(k) {
-                            tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
-                            registered = win.registered;
-                            profile.register_wait = win.waited.as_secs_f64();
-                            windows = None;
-                            writer.trim_direct(writer.direct_place(*id, offset)?.0)?;
-                        }
-                    }
-                    if windows.is_some() {
-                        pending = Some(Pending::Direct(writer.stage_direct(*id, offset)?));
-                    }
-                }
-                let pending = match pending {
-                    Some(p) => p,
-                    None => {
-                        let t = Instant::now();
-                        let staged = writer.stage(*id, offset)?;
-                        profile.buffer_wait += t.elapsed().as_secs_f64();
-                        Pending::Staged(staged)
-                    }
-                };
-                let done = flight.start(pending, |pending, stream| {
-                    let (dst, len) = pending.target();
-                    // SAFETY: the staged buffer or direct range stays in `flight` (the
-                    // writer and the windows outlive it) until its stream is waited for.
-                    unsafe {
-                        self.driver()
-                            .copy_to_host_async(c.va + offset, dst, len, stream)
-                    }
-                })?;
-                if let Some(done) = done {
+            // Only stage when a buffer can be had without waiting on our own copies.
+            if flight.is_full() {
+                if let Some(done) = flight.complete_oldest()? {
                     done.commit(writer)?;
                 }
+            }
+            let mut pending = None;
+            if let Some(win) = windows.as_mut() {
+                // Direct places are page aligned: no head.
+                let (k, _) = of[n].expect("every chunk has a window");
+                if win.current() != Some(k) {
+                    // No copy may still target the window that goes.
+                    while let Some(done) = flight.complete_oldest()? {
+                        done.commit(writer)?;
+                    }
+                    if let Err(e) = win.enter(k) {
+                        tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
+                        registered = win.registered;
+                        profile.register_wait = win.waited.as_secs_f64();
+                        windows = None;
+                        writer.trim_direct(writer.direct_place(*id, offset)?.0)?;
+                    }
+                }
+                if windows.is_some() {
+                    pending = Some(Pending::Direct(writer.stage_direct(*id, offset)?));
+                }
+            }
+            let pending = match pending {
+                Some(p) => p,
+                None => {
+                    let t = Instant::now();
+                    let staged = writer.stage(*id, offset)?;
+                    profile.buffer_wait += t.elapsed().as_secs_f64();
+                    Pending::Staged(staged)
+                }
+            };
+            let done = flight.start(pending, |pending, stream| {
+                let (dst, len) = pending.target();
+                // SAFETY: the staged buffer or direct range stays in `flight` (the
+                // writer and the windows outlive it) until its stream is waited for.
+                unsafe {
+                    self.driver()
+                        .copy_to_host_async(c.va + offset, dst, len, stream)
+                }
+            })?;
+            if let Some(done) = done {
+                done.commit(writer)?;
             }
             bytes += c.len;
         }
@@ -755,17 +753,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 all(&mut todo, a, *id);
                 continue;
             }
-            let Some(sums) = sums.next() else {
-                return Err(FastPathError::Driver(DriverError {
+            // The driver answers one list of sums per region, one sum per chunk.
+            let malformed = || {
+                FastPathError::Driver(DriverError {
                     call: crate::driver::DriverCall::Hash,
                     code: crate::driver::CUDA_ERROR_INVALID_VALUE,
-                }));
+                })
             };
+            let sums = sums.next().ok_or_else(malformed)?;
             if sums.len() as u64 != a.size.div_ceil(chunk) {
-                return Err(FastPathError::Driver(DriverError {
-                    call: crate::driver::DriverCall::Hash,
-                    code: crate::driver::CUDA_ERROR_INVALID_VALUE,
-                }));
+                return Err(malformed());
             }
             for (i, s) in sums.into_iter().enumerate() {
                 let offset = i as u64 * chunk;
