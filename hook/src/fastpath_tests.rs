@@ -160,20 +160,32 @@ fn round_trip_keeps_contents_and_addresses_with_bounded_staging() {
     assert_eq!(s.gate.state(), GateState::Running);
 }
 
-#[test]
-fn delta_image_against_a_parent_restores_too() {
-    let s = setup();
-    let mut expected = populate(&s);
+/// A full copy-out into `<root>/full`, thaw, one byte of allocation `which` flipped at
+/// `byte` (in `expected` too), freeze again: ready for a copy-out against `full`.
+/// Returns the temporary root, `full` and the path for the delta image.
+fn full_image_then_change(
+    s: &Setup,
+    expected: &mut [(u64, Vec<u8>)],
+    which: usize,
+    byte: usize,
+) -> (tempfile::TempDir, PathBuf, PathBuf) {
     let root = tempfile::tempdir().unwrap();
     let (full, delta) = (root.path().join("full"), root.path().join("delta"));
     s.fast.freeze().unwrap();
     s.fast.copy_out(&full, None).unwrap();
     s.fast.thaw().unwrap();
-    // Change one allocation, then checkpoint against the first image.
-    let (va, data) = &mut expected[3];
-    data[5] ^= 0xff;
+    let (va, data) = &mut expected[which];
+    data[byte] ^= 0xff;
     s.driver.copy_from_host(*va, data).unwrap();
     s.fast.freeze().unwrap();
+    (root, full, delta)
+}
+
+#[test]
+fn delta_image_against_a_parent_restores_too() {
+    let s = setup();
+    let mut expected = populate(&s);
+    let (_root, full, delta) = full_image_then_change(&s, &mut expected, 3, 5);
     s.fast.copy_out(&delta, Some(&full)).unwrap();
     s.fast.release().unwrap();
     s.fast.remap().unwrap();
@@ -1103,16 +1115,8 @@ fn device_hash_skips_zero_chunks_and_restores_exactly() {
 fn device_hash_incremental_copies_only_what_changed() {
     let s = with_device_hash(pipelined());
     let mut expected = populate_hashable(&s);
-    let root = tempfile::tempdir().unwrap();
-    let (full, delta) = (root.path().join("full"), root.path().join("delta"));
-    s.fast.freeze().unwrap();
-    s.fast.copy_out(&full, None).unwrap();
-    s.fast.thaw().unwrap();
     // One byte of one chunk of the big allocation changes.
-    let (va, data) = &mut expected[2];
-    data[3 * CHUNK + 5] ^= 0xff;
-    s.driver.copy_from_host(*va, data).unwrap();
-    s.fast.freeze().unwrap();
+    let (_root, full, delta) = full_image_then_change(&s, &mut expected, 2, 3 * CHUNK + 5);
     let before = s.driver.host_stats();
     let out = s.fast.copy_out(&delta, Some(&full)).unwrap();
     let moved = s.driver.host_stats().bytes_to_host - before.bytes_to_host;
