@@ -230,34 +230,44 @@ def main():
 
         img1 = os.path.join(a.tmpfs, f"img-{label}")
         shutil.rmtree(img1, ignore_errors=True)
+        def leave_running_cycle(img, parent):
+            """Freeze -> CopyOut -> Release -> driver lock+checkpoint (of the rest) ->
+            restore+unlock -> Remap -> CopyIn -> Thaw, as the shim runs a leave-running
+            checkpoint; the ms of every step and the hook's reports."""
+            c = {}
+            t0 = time.monotonic()
+            c["fz"], _ = h.call("Freeze")
+            c["co"], c["rep"] = h.call("CopyOut", image_dir=img, parent=parent)
+            c["rl"], c["rel"] = h.call("Release")
+            c["q"] = drive(a.drive, "quiesce", proc.pid)
+            c["left_ms"] = (time.monotonic() - t0) * 1000
+            c["r"] = drive(a.drive, "resume", proc.pid)
+            c["rm"], _ = h.call("Remap")
+            c["ci"], c["cin"] = h.call("CopyIn", image_dir=img)
+            c["th"], _ = h.call("Thaw")
+            c["total"] = (time.monotonic() - t0) * 1000
+            return c
+
         if "fast" in phases:
             wait_step(steps, proc.pid, last_step(steps) + 1, 30)
             s = RssSampler(proc.pid)
             s.start()
-            t0 = time.monotonic()
-            fz, _ = h.call("Freeze")
-            co, rep = h.call("CopyOut", image_dir=img1, parent=None)
-            rl, rel = h.call("Release")
-            q = drive(a.drive, "quiesce", proc.pid)
-            left_ms = (time.monotonic() - t0) * 1000
-            r = drive(a.drive, "resume", proc.pid)
-            rm, _ = h.call("Remap")
-            ci, cin = h.call("CopyIn", image_dir=img1)
-            th, _ = h.call("Thaw")
-            total = (time.monotonic() - t0) * 1000
+            c = leave_running_cycle(img1, None)
             peak = s.done()
-            record("fast", freeze_ms=round(fz, 1), copy_out_ms=round(co, 1),
-                   copy_out_gbps=round(rep.get("bytes", 0) / co / 1e6, 2),
+            rep, rel, q, r, cin = c["rep"], c["rel"], c["q"], c["r"], c["cin"]
+            record("fast", freeze_ms=round(c["fz"], 1), copy_out_ms=round(c["co"], 1),
+                   copy_out_gbps=round(rep.get("bytes", 0) / c["co"] / 1e6, 2),
                    peak_staging_mib=rep.get("peak_staging_bytes", 0) >> 20,
-                   release_ms=round(rl, 1), released_mib=rel.get("bytes", 0) >> 20,
+                   release_ms=round(c["rl"], 1), released_mib=rel.get("bytes", 0) >> 20,
                    driver_lock_ms=q.get("lock"), driver_d2h_ms=q.get("checkpoint"),
-                   gpu_empty_after_ms=round(left_ms, 1),
+                   gpu_empty_after_ms=round(c["left_ms"], 1),
                    driver_h2d_ms=r.get("restore"), driver_unlock_ms=r.get("unlock"),
-                   remap_ms=round(rm, 1), copy_in_ms=round(ci, 1),
-                   copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2), thaw_ms=round(th, 1),
-                   pause_ms=round(total, 1), image_mib=du(img1) >> 20,
-                   peak_rss_growth_mib=peak >> 20, out_profile=rep.get("profile"),
-                   in_profile=cin.get("profile"), copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   remap_ms=round(c["rm"], 1), copy_in_ms=round(c["ci"], 1),
+                   copy_in_gbps=round(cin.get("bytes", 0) / c["ci"] / 1e6, 2),
+                   thaw_ms=round(c["th"], 1), pause_ms=round(c["total"], 1),
+                   image_mib=du(img1) >> 20, peak_rss_growth_mib=peak >> 20,
+                   out_profile=rep.get("profile"), in_profile=cin.get("profile"),
+                   copied_mib=rep.get("copied_bytes", 0) >> 20,
                    zero_chunks=rep.get("zero_chunks"), parent_chunks=rep.get("parent_chunks"))
             gh1_check(img1, record)
 
@@ -267,22 +277,16 @@ def main():
             img4 = os.path.join(a.tmpfs, f"img4-{label}")
             shutil.rmtree(img4, ignore_errors=True)
             wait_step(steps, proc.pid, last_step(steps) + 1, 30)
-            t0 = time.monotonic()
-            fz, _ = h.call("Freeze")
-            co, rep = h.call("CopyOut", image_dir=img4, parent=img1)
-            rl, rel = h.call("Release")
-            q = drive(a.drive, "quiesce", proc.pid)
-            r = drive(a.drive, "resume", proc.pid)
-            rm, _ = h.call("Remap")
-            ci, cin = h.call("CopyIn", image_dir=img4)
-            th, _ = h.call("Thaw")
-            total = (time.monotonic() - t0) * 1000
-            record("fastincr", copy_out_ms=round(co, 1), copied_mib=rep.get("copied_bytes", 0) >> 20,
-                   parent_chunks=rep.get("parent_chunks"), release_ms=round(rl, 1),
+            c = leave_running_cycle(img4, img1)
+            rep, q, r, cin = c["rep"], c["q"], c["r"], c["cin"]
+            record("fastincr", copy_out_ms=round(c["co"], 1),
+                   copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   parent_chunks=rep.get("parent_chunks"), release_ms=round(c["rl"], 1),
                    driver_ms=round(q.get("lock", 0) + q.get("checkpoint", 0) + r.get("restore", 0)
                                    + r.get("unlock", 0), 1),
-                   remap_ms=round(rm, 1), copy_in_ms=round(ci, 1),
-                   copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2), pause_ms=round(total, 1),
+                   remap_ms=round(c["rm"], 1), copy_in_ms=round(c["ci"], 1),
+                   copy_in_gbps=round(cin.get("bytes", 0) / c["ci"] / 1e6, 2),
+                   pause_ms=round(c["total"], 1),
                    out_profile=rep.get("profile"), in_profile=cin.get("profile"))
             shutil.rmtree(img4, ignore_errors=True)
 
