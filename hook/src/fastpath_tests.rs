@@ -1201,19 +1201,26 @@ fn copy_in_checks_gpu_hashed_chunks_on_the_device() {
     check(&s, &expected);
 
     // A damaged chunk: the CPU no longer CRCs it, the device check catches it.
-    let va = damage_first_stored_chunk(&image);
-    s.fast.freeze().unwrap();
-    s.fast.release().unwrap();
-    s.fast.remap().unwrap();
-    let err = s.fast.copy_in(&image).unwrap_err();
-    assert!(
-        matches!(err, FastPathError::DeviceCheck { va: v, .. } if v == va),
-        "{err}"
-    );
+    let err = damaged_copy_in_fails_the_device_check(&s, &image);
     assert!(
         err.to_string().contains("does not match the gh1 digest"),
         "{err}"
     );
+}
+
+/// Damages `image`, then releases, remaps and copies it in again (from Running): the
+/// copy-in must fail the device check at the damaged allocation. Returns the error.
+fn damaged_copy_in_fails_the_device_check(s: &Setup, image: &Path) -> FastPathError {
+    let va = damage_first_stored_chunk(image);
+    s.fast.freeze().unwrap();
+    s.fast.release().unwrap();
+    s.fast.remap().unwrap();
+    let err = s.fast.copy_in(image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::DeviceCheck { va: v, .. } if v == va),
+        "{err}"
+    );
+    err
 }
 
 #[test]
@@ -1241,13 +1248,5 @@ fn direct_copy_in_defers_gpu_hashed_chunks_to_the_device_check() {
     s.fast.freeze().unwrap();
     s.fast.copy_out(&image, None).unwrap();
     round_trip(&s, &image, &expected);
-    let va = damage_first_stored_chunk(&image);
-    s.fast.freeze().unwrap();
-    s.fast.release().unwrap();
-    s.fast.remap().unwrap();
-    let err = s.fast.copy_in(&image).unwrap_err();
-    assert!(
-        matches!(err, FastPathError::DeviceCheck { va: v, .. } if v == va),
-        "{err}"
-    );
+    damaged_copy_in_fails_the_device_check(&s, &image);
 }
