@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use gpu_state::image::gpuhash::{ChunkSums, LANES, SEGMENT_WORDS};
+use gpu_state::image::gpuhash::{hashable, ChunkSums, LANES, SEGMENT_WORDS};
 
 use libloading::Library;
 use thiserror::Error;
@@ -600,7 +600,7 @@ impl VmmDriver for CudaDriver {
             return Ok(None);
         };
         // gh1 reads whole words; VMM allocations are granularity multiples anyway.
-        if chunk == 0 || chunk & 7 != 0 || regions.iter().any(|r| r.1 & 7 != 0) {
+        if chunk == 0 || !hashable(chunk) || regions.iter().any(|r| !hashable(r.1)) {
             return Ok(None);
         }
         self.bind();

@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use gpu_state::image::gpuhash::ChunkDigest;
+use gpu_state::image::gpuhash::{self, ChunkDigest};
 use gpu_state::image::{
     AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
     ImageReader, ImageWriter, Location, MappedImage, NoDirect, StagedChunk, StagingPin,
@@ -724,7 +724,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let mut todo = Vec::new();
         // gh1 hashes whole words: an allocation of another size (a plain cuMemAlloc can
         // ask for any) is hashed on the CPU.
-        let hashable = |a: &Allocation| a.size & 7 == 0 && chunk & 7 == 0;
+        let hashable = |a: &Allocation| gpuhash::hashable(a.size) && gpuhash::hashable(chunk);
         let regions: Vec<_> = allocs
             .iter()
             .filter(|a| hashable(a))
@@ -1013,7 +1013,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let pairs: Vec<_> = allocs
             .iter()
             .zip(plan)
-            .filter(|(a, _)| a.size & 7 == 0 && chunk & 7 == 0)
+            .filter(|(a, _)| gpuhash::hashable(a.size) && gpuhash::hashable(chunk))
             .collect();
         let regions: Vec<_> = pairs.iter().map(|(a, _)| (a.va, a.size)).collect();
         let sums = self

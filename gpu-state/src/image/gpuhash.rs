@@ -114,10 +114,15 @@ impl ChunkSums {
     }
 }
 
+/// Whether gh1 can hash `len` bytes (whole u64 words) — a region, a chunk size, a chunk.
+pub fn hashable(len: u64) -> bool {
+    len & 7 == 0
+}
+
 /// The CPU reference of the kernel for one chunk; `None` when `data.len()` is not a
 /// multiple of 8 (the GPU path is not used for such chunks).
 pub fn chunk_sums(data: &[u8]) -> Option<ChunkSums> {
-    if data.len() & 7 != 0 {
+    if !hashable(data.len() as u64) {
         return None;
     }
     let words = data.len() / 8;
