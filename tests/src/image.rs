@@ -201,6 +201,7 @@ impl BusyboxImage {
             tar.dir(dir)?;
         }
         tar.dir_mode("tmp", 0o1777)?;
+        tar.file("tmp/counter", crate::task::COUNTER_FILE_INITIAL)?;
         tar.file_mode("bin/busybox", &binary, 0o755)?;
         for applet in list.lines().map(str::trim) {
             if !applet.is_empty() && applet != "busybox" && !applet.contains('/') {

@@ -8,12 +8,19 @@ use crate::containerd::Containerd;
 use crate::error::{HarnessError, Result};
 use crate::poll::poll_until;
 
-/// A busybox shell loop: increments an in-memory counter about every 0.2 s, writes it
-/// atomically to [`COUNTER_FILE`] and prints it. Only the shell's memory carries the count, so
-/// a restored container continues from the checkpointed value, a restarted one from 1.
+/// A busybox shell loop: increments an in-memory counter about every 0.2 s, writes it to
+/// [`COUNTER_FILE`] and prints it. Only the shell's memory carries the count, so a restored
+/// container continues from the checkpointed value, a restarted one from 1.
+///
+/// The file is rewritten in place (`1<>`: no truncation, no temporary name) at a fixed width,
+/// and the test image already holds it at that width ([`COUNTER_FILE_INITIAL`]): a dump that
+/// catches the shell with the file open then restores into a fresh rootfs too (CRIU reopens
+/// the file by name and checks its size; a renamed-away temporary broke that now and then).
 pub const COUNTER_SCRIPT: &str = "i=0; while true; do i=$((i+1)); \
-     echo $i > /tmp/counter.new && mv /tmp/counter.new /tmp/counter; \
+     printf '%020d\\n' $i 1<> /tmp/counter; \
      echo \"count $i\"; sleep 0.2; done";
+/// The counter file as the test image ships it: the width the workload writes.
+pub const COUNTER_FILE_INITIAL: &[u8] = b"00000000000000000000\n";
 /// Where the workload keeps its counter, inside the container.
 pub const COUNTER_FILE: &str = "/tmp/counter";
 
