@@ -5,8 +5,12 @@
 #   bash tests/gpu/h200-hook.sh
 #
 # 0. overhead: launches, small copies and allocations with and without the hook (overhead.cu)
-# 1. ceilings: pinned/pageable cudaMemcpy (pinned_ceiling.cu) and the disk's O_DIRECT write
-#    and read speed (dd), measured in this run
+# 1. ceilings: pinned/pageable cudaMemcpy (pinned_ceiling.cu), the disk's O_DIRECT write
+#    and read speed (dd) and tmpfs's (tmpfs_ceiling.c: 16 threads, first and second touch),
+#    measured in this run. GPUCR_HOOK_PROBES="keeper": keeper_probe.cu (device memory held
+#    by another process across the driver's cycle). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
+#    of tmpfs before the benchmarks (a fresh VM's first touch of its memory is slower; a
+#    long-running node's memory is warm). GPUCR_HOOK_OVERHEAD=0 skips step 0.
 # 2. host-level, side by side in one process per size (hook_bench.py): the driver alone vs
 #    the hook's freeze -> copy-out -> release -> driver checkpoint of the rest -> restore ->
 #    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
@@ -46,14 +50,16 @@ nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/pinned_ceiling" "$REPO/t
 gcc -O2 -Wall -o "$TOOLS/drive" "$REPO/tests/gpu/drive.c" -ldl || exit 1
 echo "hook: $(sha256sum "$TOOLS/libgpucr_hook.so" | cut -c1-12) $(nm -D --defined-only "$TOOLS/libgpucr_hook.so" | grep -c ' T cu') cu* exports" | tee -a "$SUM"
 
-log "overhead: the same program without / with the hook, interleaved 3 times"
-nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/overhead" "$REPO/tests/gpu/overhead.cu" || exit 1
-mkdir -p "$TMPFS/ovh-sock"
-for i in 1 2 3; do
-  echo "no-hook $(timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
-  echo "hook    $(LD_PRELOAD=$TOOLS/libgpucr_hook.so GPUCR_HOOK_SOCKET_DIR=$TMPFS/ovh-sock timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
-done
-rm -rf "$TMPFS/ovh-sock"
+if [ "${GPUCR_HOOK_OVERHEAD:-1}" != 0 ]; then
+  log "overhead: the same program without / with the hook, interleaved 3 times"
+  nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/overhead" "$REPO/tests/gpu/overhead.cu" || exit 1
+  mkdir -p "$TMPFS/ovh-sock"
+  for i in 1 2 3; do
+    echo "no-hook $(timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+    echo "hook    $(LD_PRELOAD=$TOOLS/libgpucr_hook.so GPUCR_HOOK_SOCKET_DIR=$TMPFS/ovh-sock timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+  done
+  rm -rf "$TMPFS/ovh-sock"
+fi
 
 log "ceilings"
 timeout 120 "$TOOLS/pinned_ceiling" 4 | tee -a "$SUM"
@@ -62,6 +68,24 @@ dd_w=$(dd if=/dev/zero of="$DISK/dd.bin" bs=64M count=64 oflag=direct 2>&1 | tai
 dd_r=$(dd if="$DISK/dd.bin" of=/dev/null bs=64M iflag=direct 2>&1 | tail -1)
 rm -f "$DISK/dd.bin"
 echo "disk $DISK ($(df -h --output=source,fstype "$DISK" | tail -1 | tr -s ' ')): write 4 GiB O_DIRECT: $dd_w; read: $dd_r" | tee -a "$SUM"
+gcc -O2 -Wall -pthread -o "$TOOLS/tmpfs_ceiling" "$REPO/tests/gpu/tmpfs_ceiling.c" || exit 1
+timeout 120 "$TOOLS/tmpfs_ceiling" "$TMPFS" 16 16 | tee -a "$SUM"
+
+for probe in ${GPUCR_HOOK_PROBES:-}; do
+  case $probe in
+    keeper)
+      nvcc -O2 -o "$TOOLS/keeper_probe" "$REPO/tests/gpu/keeper_probe.cu" -lcuda || continue
+      for mode in fdonly import; do
+        log "keeper probe $mode 16 GiB"
+        timeout 120 "$TOOLS/keeper_probe" "$mode" 16 2>&1 | tee -a "$SUM"
+      done ;;
+  esac
+done
+if [ "${GPUCR_HOOK_WARM_GIB:-0}" -gt 0 ]; then
+  log "warming ${GPUCR_HOOK_WARM_GIB} GiB of memory"
+  timeout 300 "$TOOLS/tmpfs_ceiling" "$TMPFS" "$GPUCR_HOOK_WARM_GIB" 16 1 | sed 's/^tmpfs/warm-up/' | tee -a "$SUM"
+  timeout 120 "$TOOLS/tmpfs_ceiling" "$TMPFS" 16 16 1 | sed 's/pass=1/warm/' | tee -a "$SUM"
+fi
 
 for spec in ${GPUCR_HOOK_SIZES:-4+0 1+15}; do
   # SIZE[:PHASES], e.g. 1+63:driver,fast,incr (no disk copy of 64 GiB)
