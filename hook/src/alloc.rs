@@ -7,6 +7,7 @@
 //! cannot move (managed memory, IPC handles) is recorded as [`Unsupported`] entries.
 
 use std::collections::BTreeMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -256,6 +257,17 @@ impl<D: VmmDriver> Allocator<D> {
     /// Creates physical memory and maps it accessible at `va`; undoes on failure.
     fn back(&self, va: DevicePtr, size: u64) -> Result<PhysHandle, AllocError> {
         let handle = self.driver.create(size)?;
+        self.map_accessible(va, size, handle)?;
+        Ok(handle)
+    }
+
+    /// Maps `handle` accessible at `va`; on failure unmaps and releases `handle`.
+    fn map_accessible(
+        &self,
+        va: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+    ) -> Result<(), AllocError> {
         if let Err(e) = self.driver.map(va, size, handle) {
             let _ = self.driver.release(handle);
             return Err(e.into());
@@ -265,7 +277,7 @@ impl<D: VmmDriver> Allocator<D> {
             let _ = self.driver.release(handle);
             return Err(e.into());
         }
-        Ok(handle)
+        Ok(())
     }
 
     /// `cuMemFree`: frees the allocation starting at `va` (mapped or released).
@@ -315,6 +327,40 @@ impl<D: VmmDriver> Allocator<D> {
             });
         }
         let handle = self.back(va, alloc.mapped_size)?;
+        alloc.handle = Some(handle);
+        alloc.state = AllocState::Mapped;
+        Ok(())
+    }
+
+    /// Exports the physical memory of the mapped allocation at `va` as an fd
+    /// ([`VmmDriver::export`]); `None` when the driver cannot.
+    pub fn export(&self, va: DevicePtr) -> Result<Option<OwnedFd>, AllocError> {
+        let table = self.table();
+        let alloc = table.get(va).ok_or(AllocError::NotFound { va })?;
+        let (AllocState::Mapped, Some(handle)) = (alloc.state, alloc.handle) else {
+            return Err(AllocError::WrongState {
+                va,
+                state: alloc.state,
+                expected: AllocState::Mapped,
+            });
+        };
+        Ok(self.driver.export(handle)?)
+    }
+
+    /// Maps the memory exported as `fd` (by [`Allocator::export`] before the release)
+    /// back at `va`, the released allocation's own address: its contents, no copy.
+    pub fn reattach(&self, va: DevicePtr, fd: BorrowedFd<'_>) -> Result<(), AllocError> {
+        let mut table = self.table();
+        let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
+        if alloc.state != AllocState::Released {
+            return Err(AllocError::WrongState {
+                va,
+                state: alloc.state,
+                expected: AllocState::Released,
+            });
+        }
+        let handle = self.driver.import(fd)?;
+        self.map_accessible(va, alloc.mapped_size, handle)?;
         alloc.handle = Some(handle);
         alloc.state = AllocState::Mapped;
         Ok(())

@@ -21,10 +21,11 @@ use std::thread::JoinHandle;
 
 use thiserror::Error;
 
+use crate::driver::DevicePtr;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, MAX_FDS,
-    MAX_FRAME, MAX_REPLY_FRAME,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, FD_BATCH,
+    MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -32,8 +33,13 @@ pub trait Engine: Send {
     type Error: std::error::Error;
     fn freeze(&self) -> Result<(), Self::Error>;
     fn copy_out(&self, dir: &Path, parent: Option<&Path>) -> Result<CopyOutReport, Self::Error>;
-    fn release(&self) -> Result<MemoryReport, Self::Error>;
+    /// Releases every allocation's memory. With `keep`, exports it first when it can:
+    /// the report's `held` lists the addresses of the returned fds, in order.
+    fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), Self::Error>;
     fn remap(&self) -> Result<MemoryReport, Self::Error>;
+    /// Maps the memory of `fds` (kept since the release, one per address of `held`)
+    /// back at `held`.
+    fn reattach(&self, held: &[DevicePtr], fds: Vec<OwnedFd>) -> Result<MemoryReport, Self::Error>;
     fn copy_in(&self, dir: &Path) -> Result<CopyInReport, Self::Error>;
     fn thaw(&self) -> Result<(), Self::Error>;
     fn status(&self, state: CheckpointState) -> HookStatus;
@@ -68,8 +74,9 @@ impl CheckpointState {
             (S::Frozen, Verb::CopyOut) => Ok(S::CopiedOut),
             (S::CopiedOut, Verb::Release) => Ok(S::Released),
             (S::Released, Verb::Remap) => Ok(S::Remapped),
+            (S::Released, Verb::Reattach) => Ok(S::Reattached),
             (S::Remapped, Verb::CopyIn) => Ok(S::CopiedIn),
-            (S::Frozen | S::CopiedOut | S::CopiedIn, Verb::Thaw) => Ok(S::Running),
+            (S::Frozen | S::CopiedOut | S::CopiedIn | S::Reattached, Verb::Thaw) => Ok(S::Running),
             (state, verb) => Err(ControlError::IllegalInState { verb, state }),
         }
     }
@@ -108,24 +115,55 @@ impl<E: Engine> Controller<E> {
 
     /// Runs one request that came with `fds` (see [`crate::protocol`]): its relative
     /// paths are resolved against them. The fds are closed after the verb, except those
-    /// of a successful CopyOut, which are held while CopiedOut.
+    /// of a successful CopyOut, which are held while CopiedOut. Memory fds a Release
+    /// returns are closed (see [`Controller::exchange`]).
     pub fn handle_with_fds(&mut self, req: &Request, fds: Vec<OwnedFd>) -> Reply {
+        self.exchange(req, fds).0
+    }
+
+    /// Runs one request with the fds that came with it and returns the reply with the
+    /// fds that go with it: a Reattach's fds are the kept memory, a Release with `keep`
+    /// returns them.
+    pub fn exchange(&mut self, req: &Request, fds: Vec<OwnedFd>) -> (Reply, Vec<OwnedFd>) {
         let next = match self.state.on(req.verb()) {
             Ok(next) => next,
-            Err(e) => return Reply::error(ErrorKind::IllegalInState, e.to_string()),
+            Err(e) => {
+                return (
+                    Reply::error(ErrorKind::IllegalInState, e.to_string()),
+                    Vec::new(),
+                )
+            }
         };
-        let req = match resolve_fd_paths(req, &fds) {
-            Ok(req) => req,
-            Err(e) => return Reply::error(ErrorKind::BadRequest, e.to_string()),
+        let (req, path_fds, memory_fds) = match req {
+            Request::Reattach { held } if held.len() != fds.len() => {
+                let msg = format!(
+                    "Reattach of {} address(es) came with {} fd(s)",
+                    held.len(),
+                    fds.len()
+                );
+                return (Reply::error(ErrorKind::BadRequest, msg), Vec::new());
+            }
+            Request::Reattach { .. } => (req.clone(), Vec::new(), fds),
+            _ => match resolve_fd_paths(req, &fds) {
+                Ok(req) => (req, fds, Vec::new()),
+                Err(e) => {
+                    return (
+                        Reply::error(ErrorKind::BadRequest, e.to_string()),
+                        Vec::new(),
+                    )
+                }
+            },
         };
-        let outcome = self.run(&req);
+        let outcome = self.run(&req, memory_fds);
+        let mut out = Vec::new();
         let reply = match outcome {
-            Ok(outcome) => {
+            Ok((outcome, fds)) => {
                 tracing::debug!(verb = ?req.verb(), from = ?self.state, to = ?next, "control verb done");
                 self.state = next;
                 if req.verb() == Verb::CopyOut {
-                    self.held = fds;
+                    self.held = path_fds;
                 }
+                out = fds;
                 Reply::Ok(outcome)
             }
             Err(e) => {
@@ -137,7 +175,7 @@ impl<E: Engine> Controller<E> {
             // Closed before the dump: CRIU cannot dump fds of host directories.
             self.held.clear();
         }
-        reply
+        (reply, out)
     }
 
     /// How many fds the controller holds (those of the last CopyOut, while CopiedOut).
@@ -145,19 +183,24 @@ impl<E: Engine> Controller<E> {
         self.held.len()
     }
 
-    fn run(&self, req: &Request) -> Result<Outcome, E::Error> {
+    fn run(&self, req: &Request, fds: Vec<OwnedFd>) -> Result<(Outcome, Vec<OwnedFd>), E::Error> {
         let e = &self.engine;
-        Ok(match req {
+        let outcome = match req {
+            Request::Release { keep } => {
+                let (report, fds) = e.release(*keep)?;
+                return Ok((Outcome::Released(report), fds));
+            }
+            Request::Reattach { held } => Outcome::Reattached(e.reattach(held, fds)?),
             Request::Freeze => e.freeze().map(|()| Outcome::Frozen)?,
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
             }
-            Request::Release => Outcome::Released(e.release()?),
             Request::Remap => Outcome::Remapped(e.remap()?),
             Request::CopyIn { image_dir } => Outcome::CopiedIn(e.copy_in(image_dir)?),
             Request::Thaw => e.thaw().map(|()| Outcome::Thawed)?,
             Request::Status => Outcome::Status(e.status(self.state)),
-        })
+        };
+        Ok((outcome, Vec::new()))
     }
 }
 
@@ -302,13 +345,26 @@ impl ControlServer {
 /// Handles one connection's requests until it closes or sends an unreadable frame.
 fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Controller<E>>) {
     loop {
-        let reply = match recv_frame(&stream, MAX_FRAME) {
-            Ok((bytes, fds)) => match parse_request(&bytes) {
-                Ok(req) => controller
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .handle_with_fds(&req, fds),
-                Err(e) => Reply::Error(e),
+        let (reply, out) = match recv_frame(&stream, MAX_FRAME) {
+            Ok((bytes, mut fds)) => match parse_request(&bytes) {
+                Ok(req) => {
+                    if let Request::Reattach { held } = &req {
+                        // The memory fds follow the frame; read them all, also when too
+                        // many, so the stream stays at a frame boundary.
+                        match recv_fd_batches(&stream, held.len()) {
+                            Ok(more) => fds.extend(more),
+                            Err(e) => {
+                                tracing::debug!(error = %e, "control connection dropped");
+                                return;
+                            }
+                        }
+                    }
+                    controller
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .exchange(&req, fds)
+                }
+                Err(e) => (Reply::Error(e), Vec::new()),
             },
             Err(FrameError::Closed) => return,
             Err(e @ FrameError::TooLarge { .. }) => {
@@ -329,7 +385,86 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
             tracing::debug!(error = %e, "control reply not delivered");
             return;
         }
+        if let Err(e) = send_fd_batches(&stream, &out) {
+            // The memory stays with the hook's last fds (closed now): the shim falls
+            // back to Remap and CopyIn.
+            tracing::warn!(error = %e, fds = out.len(), "kept memory's fds not delivered");
+            return;
+        }
     }
+}
+
+/// Sends `fds` in batches of at most [`FD_BATCH`], each with one byte `F`.
+pub fn send_fd_batches(stream: &UnixStream, fds: &[impl AsFd]) -> Result<(), FrameError> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    for batch in fds.chunks(FD_BATCH) {
+        let raw: Vec<RawFd> = batch.iter().map(|fd| fd.as_fd().as_raw_fd()).collect();
+        loop {
+            match sendmsg::<()>(
+                stream.as_raw_fd(),
+                &[IoSlice::new(b"F")],
+                &[ControlMessage::ScmRights(&raw)],
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            ) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                Ok(1) => break,
+                Ok(_) => return Err(io::Error::from(io::ErrorKind::WriteZero).into()),
+                Err(e) => return Err(io::Error::from(e).into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Receives `n` fds sent by [`send_fd_batches`]. Reads every batch even when one came
+/// short (the fd limit), so the stream stays at a frame boundary; then fails.
+pub fn recv_fd_batches(stream: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, FrameError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    if n > MAX_HELD {
+        return Err(
+            io::Error::other(format!("{n} memory fds announced, at most {MAX_HELD}")).into(),
+        );
+    }
+    let mut fds = Vec::with_capacity(n);
+    let mut short = false;
+    for _ in 0..n.div_ceil(FD_BATCH) {
+        let mut byte = [0u8; 1];
+        let mut space = nix::cmsg_space!([RawFd; FD_BATCH]);
+        let mut iov = [IoSliceMut::new(&mut byte)];
+        let msg = loop {
+            match recvmsg::<()>(
+                stream.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                other => break other.map_err(io::Error::from)?,
+            }
+        };
+        if msg.bytes == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+        }
+        short |= msg.flags.contains(MsgFlags::MSG_CTRUNC);
+        for cmsg in msg.cmsgs().map_err(io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(raw) = cmsg {
+                // SAFETY: the kernel just installed these fds in this process; we own them.
+                fds.extend(
+                    raw.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+    }
+    if short || fds.len() != n {
+        return Err(io::Error::other(format!(
+            "{} of {n} memory fds arrived (the process's fd limit?)",
+            fds.len()
+        ))
+        .into());
+    }
+    Ok(fds)
 }
 
 /// Reads one frame and the fds that came with it (SCM_RIGHTS, close-on-exec).
@@ -422,10 +557,28 @@ impl ControlClient {
         self.stream.set_write_timeout(timeout)
     }
 
-    /// Sends `req` and waits for the reply.
+    /// Sends `req` and waits for the reply. Memory fds that come with it (a Release
+    /// with `keep`) are closed: use [`ControlClient::release`] to hold them.
     pub fn call(&mut self, req: &Request) -> Result<Reply, ControlError> {
         write_frame(&mut self.stream, req, MAX_FRAME)?;
+        Ok(self.read_reply()?.0)
+    }
+
+    /// Release; with `keep`, also the memory fds of the reply's `held` addresses (they
+    /// keep the memory on the GPU until closed or given back with Reattach).
+    pub fn release(&mut self, keep: bool) -> Result<(Reply, Vec<OwnedFd>), ControlError> {
+        write_frame(&mut self.stream, &Request::Release { keep }, MAX_FRAME)?;
         self.read_reply()
+    }
+
+    /// Reattach: gives the memory fds of `held` back, in the order Release listed them.
+    pub fn reattach(&mut self, held: &[u64], fds: &[impl AsFd]) -> Result<Reply, ControlError> {
+        let req = Request::Reattach {
+            held: held.to_vec(),
+        };
+        write_frame(&mut self.stream, &req, MAX_FRAME)?;
+        send_fd_batches(&self.stream, fds)?;
+        Ok(self.read_reply()?.0)
     }
 
     /// Sends `req` with `fds` (SCM_RIGHTS on the frame's first bytes) and waits for the
@@ -466,7 +619,7 @@ impl ControlClient {
         self.stream
             .write_all(&frame[sent..])
             .map_err(FrameError::from)?;
-        self.read_reply()
+        Ok(self.read_reply()?.0)
     }
 
     /// CopyOut into a new image `name` inside the directory `dir` (an open directory of
@@ -500,12 +653,26 @@ impl ControlClient {
         self.stream
             .write_all(frame)
             .map_err(|e| ControlError::Frame(e.into()))?;
-        self.read_reply()
+        Ok(self.read_reply()?.0)
     }
 
-    fn read_reply(&mut self) -> Result<Reply, ControlError> {
+    /// The reply, and the memory fds that follow a Release's (always read, so the stream
+    /// stays at a frame boundary).
+    fn read_reply(&mut self) -> Result<(Reply, Vec<OwnedFd>), ControlError> {
         let bytes = read_frame(&mut self.stream, MAX_REPLY_FRAME)?;
-        Ok(serde_json::from_slice(&bytes).map_err(FrameError::from)?)
+        let reply: Reply = serde_json::from_slice(&bytes).map_err(FrameError::from)?;
+        let fds = match &reply {
+            Reply::Ok(Outcome::Released(r)) if !r.held.is_empty() => {
+                // The memory is released either way: without its fds it is freed, and the
+                // caller copies it back in from the image (Remap, CopyIn).
+                recv_fd_batches(&self.stream, r.held.len()).unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "the kept memory's fds did not arrive");
+                    Vec::new()
+                })
+            }
+            _ => Vec::new(),
+        };
+        Ok((reply, fds))
     }
 }
 

@@ -9,6 +9,12 @@ struct StubEngine {
     fail: Mutex<Option<Verb>>,
     /// The image paths CopyOut and CopyIn were given.
     paths: Mutex<Vec<PathBuf>>,
+    /// Release with keep hands out this many memory fds (memfds).
+    keep: usize,
+    /// Identities of the fds a Release handed out, and how many a Reattach gave back
+    /// (matched in order).
+    kept: Mutex<Vec<Option<(u64, u64)>>>,
+    reattached: Mutex<usize>,
 }
 
 #[derive(Debug)]
@@ -35,7 +41,12 @@ fn mem() -> MemoryReport {
     MemoryReport {
         allocations: 1,
         bytes: 4096,
+        held: Vec::new(),
     }
+}
+
+fn memfd() -> OwnedFd {
+    nix::sys::memfd::memfd_create(c"stub", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap()
 }
 
 impl Engine for StubEngine {
@@ -59,8 +70,30 @@ impl Engine for StubEngine {
             parent_chunks: 0,
         })
     }
-    fn release(&self) -> Result<MemoryReport, StubError> {
-        self.step(Verb::Release).map(|()| mem())
+    fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), StubError> {
+        self.step(Verb::Release)?;
+        let n = if keep { self.keep } else { 0 };
+        let fds: Vec<OwnedFd> = (0..n).map(|_| memfd()).collect();
+        *self.kept.lock().unwrap() = fds
+            .iter()
+            .map(|f| crate::driver::fd_identity(f.as_fd()))
+            .collect();
+        let report = MemoryReport {
+            held: (1..=n as u64).map(|i| i << 21).collect(),
+            ..mem()
+        };
+        Ok((report, fds))
+    }
+    fn reattach(&self, held: &[DevicePtr], fds: Vec<OwnedFd>) -> Result<MemoryReport, StubError> {
+        self.step(Verb::Reattach)?;
+        let kept = self.kept.lock().unwrap();
+        *self.reattached.lock().unwrap() = fds
+            .iter()
+            .zip(kept.iter())
+            .filter(|(f, id)| crate::driver::fd_identity(f.as_fd()) == **id)
+            .count();
+        assert_eq!(held.len(), fds.len());
+        Ok(mem())
     }
     fn remap(&self) -> Result<MemoryReport, StubError> {
         self.step(Verb::Remap).map(|()| mem())
@@ -98,8 +131,9 @@ fn request(verb: Verb) -> Request {
             image_dir: "/img".into(),
             parent: None,
         },
-        Verb::Release => Request::Release,
+        Verb::Release => Request::Release { keep: false },
         Verb::Remap => Request::Remap,
+        Verb::Reattach => Request::Reattach { held: Vec::new() },
         Verb::CopyIn => Request::CopyIn {
             image_dir: "/img".into(),
         },
@@ -108,19 +142,21 @@ fn request(verb: Verb) -> Request {
     }
 }
 
-const STATES: [CheckpointState; 6] = [
+const STATES: [CheckpointState; 7] = [
     CheckpointState::Running,
     CheckpointState::Frozen,
     CheckpointState::CopiedOut,
     CheckpointState::Released,
     CheckpointState::Remapped,
     CheckpointState::CopiedIn,
+    CheckpointState::Reattached,
 ];
-const ALL_VERBS: [Verb; 7] = [
+const ALL_VERBS: [Verb; 8] = [
     Verb::Freeze,
     Verb::CopyOut,
     Verb::Release,
     Verb::Remap,
+    Verb::Reattach,
     Verb::CopyIn,
     Verb::Thaw,
     Verb::Status,
@@ -134,6 +170,8 @@ fn transition_table_over_every_state_and_verb() {
         (S::Frozen, Verb::CopyOut, S::CopiedOut),
         (S::CopiedOut, Verb::Release, S::Released),
         (S::Released, Verb::Remap, S::Remapped),
+        (S::Released, Verb::Reattach, S::Reattached),
+        (S::Reattached, Verb::Thaw, S::Running),
         (S::Remapped, Verb::CopyIn, S::CopiedIn),
         (S::CopiedIn, Verb::Thaw, S::Running),
         (S::Frozen, Verb::Thaw, S::Running),
@@ -196,26 +234,35 @@ fn failed_verb_keeps_the_state_and_can_be_retried() {
     c.handle(&Request::Freeze);
     c.handle(&request(Verb::CopyOut));
     *c.engine().fail.lock().unwrap() = Some(Verb::Release);
-    let Reply::Error(e) = c.handle(&Request::Release) else {
+    let Reply::Error(e) = c.handle(&Request::Release { keep: false }) else {
         panic!("failure not reported");
     };
     assert_eq!(e.kind, ErrorKind::Failed);
     assert!(e.message.contains("stub Release failed"));
     assert_eq!(c.state(), CheckpointState::CopiedOut);
     *c.engine().fail.lock().unwrap() = None;
-    assert!(matches!(c.handle(&Request::Release), Reply::Ok(_)));
+    assert!(matches!(
+        c.handle(&Request::Release { keep: false }),
+        Reply::Ok(_)
+    ));
     assert_eq!(c.state(), CheckpointState::Released);
 }
 
-fn serve_stub() -> (
+type Served = (
     tempfile::TempDir,
     PathBuf,
     Arc<Mutex<Controller<StubEngine>>>,
-) {
+);
+
+fn serve_stub() -> Served {
+    serve_stub_with(StubEngine::default())
+}
+
+fn serve_stub_with(engine: StubEngine) -> Served {
     let dir = tempfile::tempdir().unwrap();
     let path = socket_path(dir.path(), 42);
     let server = ControlServer::bind(&path).unwrap();
-    let controller = Arc::new(Mutex::new(Controller::new(StubEngine::default())));
+    let controller = Arc::new(Mutex::new(Controller::new(engine)));
     server.spawn(controller.clone()).unwrap();
     (dir, path, controller)
 }
@@ -333,7 +380,7 @@ fn copy_out_by_fd_resolves_inside_the_directory_and_holds_it_while_copied_out() 
     std::fs::create_dir(&got).unwrap();
     assert!(images.path().join("1234").is_dir());
     assert_eq!(controller.lock().unwrap().held_fds(), 1);
-    ok(client.call(&Request::Release).unwrap());
+    ok(client.call(&Request::Release { keep: false }).unwrap());
     // (That it is closed is shown with a pipe below: fd numbers are reused by other tests.)
     assert_eq!(controller.lock().unwrap().held_fds(), 0);
 }
@@ -496,10 +543,10 @@ fn fast_path_round_trip_with_images_by_fd() {
     // A release failing half-way is undone from the image behind the held fd.
     driver.fail_nth(DriverCall::Release, 1);
     assert_eq!(
-        error_kind(client.call(&Request::Release).unwrap()),
+        error_kind(client.call(&Request::Release { keep: false }).unwrap()),
         ErrorKind::Failed
     );
-    ok(client.call(&Request::Release).unwrap());
+    ok(client.call(&Request::Release { keep: false }).unwrap());
     // (The failed release's handle is leaked by the fake, so physical bytes stay > 0.)
     let Outcome::Status(status) = ok(client.call(&Request::Status).unwrap()) else {
         panic!("no status");
@@ -524,4 +571,90 @@ fn fast_path_round_trip_with_images_by_fd() {
         );
     }
     assert!(gpu_state::image::ImageReader::open(&images.path().join("77")).is_ok());
+}
+
+#[test]
+fn kept_memory_fds_travel_in_batches_and_come_back() {
+    // More fds than one batch carries, and not a multiple of it.
+    let n = 2 * crate::protocol::FD_BATCH + 44;
+    let (_sock, path, controller) = serve_stub_with(StubEngine {
+        keep: n,
+        ..StubEngine::default()
+    });
+    let mut client = ControlClient::connect(&path).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.call(&request(Verb::CopyOut)).unwrap());
+    let (reply, fds) = client.release(true).unwrap();
+    let Reply::Ok(Outcome::Released(report)) = reply else {
+        panic!("{reply:?}");
+    };
+    assert_eq!((report.held.len(), fds.len()), (n, n));
+    // The stream is still at a frame boundary.
+    assert!(matches!(
+        client.call(&Request::Status).unwrap(),
+        Reply::Ok(Outcome::Status(_))
+    ));
+    ok(client.reattach(&report.held, &fds).unwrap());
+    assert_eq!(
+        *controller
+            .lock()
+            .unwrap()
+            .engine()
+            .reattached
+            .lock()
+            .unwrap(),
+        n
+    );
+    assert_eq!(
+        controller.lock().unwrap().state(),
+        CheckpointState::Reattached
+    );
+    ok(client.call(&Request::Thaw).unwrap());
+}
+
+#[test]
+fn release_without_keep_sends_no_fds_and_call_drops_kept_ones() {
+    let (_sock, path, _controller) = serve_stub_with(StubEngine {
+        keep: 3,
+        ..StubEngine::default()
+    });
+    let mut client = ControlClient::connect(&path).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.call(&request(Verb::CopyOut)).unwrap());
+    let (_, fds) = client.release(false).unwrap();
+    assert!(fds.is_empty());
+    ok(client.call(&Request::Remap).unwrap());
+    ok(client.call(&request(Verb::CopyIn)).unwrap());
+    ok(client.call(&Request::Thaw).unwrap());
+    // A plain call of Release with keep reads (and closes) the fds: the next reply is
+    // still in step.
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.call(&request(Verb::CopyOut)).unwrap());
+    ok(client.call(&Request::Release { keep: true }).unwrap());
+    assert!(matches!(
+        client.call(&Request::Status).unwrap(),
+        Reply::Ok(Outcome::Status(_))
+    ));
+}
+
+#[test]
+fn reattach_with_the_wrong_number_of_fds_is_refused() {
+    let mut c = Controller::new(StubEngine {
+        keep: 2,
+        ..StubEngine::default()
+    });
+    c.handle(&Request::Freeze);
+    c.handle(&request(Verb::CopyOut));
+    let (_, fds) = c.exchange(&Request::Release { keep: true }, Vec::new());
+    assert_eq!(fds.len(), 2);
+    let req = Request::Reattach {
+        held: vec![1 << 21, 2 << 21, 3 << 21],
+    };
+    let (reply, _) = c.exchange(&req, fds);
+    let Reply::Error(e) = reply else {
+        panic!("accepted: {reply:?}");
+    };
+    assert_eq!(e.kind, ErrorKind::BadRequest);
+    assert_eq!(c.state(), CheckpointState::Released);
+    assert!(!c.engine().calls.lock().unwrap().contains(&Verb::Reattach));
 }

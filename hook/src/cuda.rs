@@ -16,6 +16,7 @@
 //! on a GPU yet.
 
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -115,6 +116,10 @@ type FnLaunchKernel = unsafe extern "C" fn(
 type FnMemAlloc = unsafe extern "C" fn(*mut DevicePtr, usize) -> CuResult;
 type FnMemFree = unsafe extern "C" fn(DevicePtr) -> CuResult;
 type FnMemsetD8Async = unsafe extern "C" fn(DevicePtr, u8, usize, Stream) -> CuResult;
+type FnExport = unsafe extern "C" fn(*mut c_void, c_ulonglong, c_int, c_ulonglong) -> CuResult;
+type FnImport = unsafe extern "C" fn(*mut c_ulonglong, *mut c_void, c_int) -> CuResult;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: c_int = 1;
 
 /// The gh1 kernel (`hook/kernels/gpuhash.cu`, built to PTX by `build-ptx.sh`),
 /// NUL-terminated for `cuModuleLoadData`; the driver JIT-compiles it at first use.
@@ -173,6 +178,13 @@ struct HashFns {
     memset: FnMemsetD8Async,
 }
 
+/// Exporting and importing physical memory as fds (both present, or no keeping).
+#[derive(Clone, Copy)]
+struct ShareFns {
+    export: FnExport,
+    import: FnImport,
+}
+
 /// The loaded gh1 module and its kernel (`CUmodule`, `CUfunction`).
 struct Kernel {
     module: *mut c_void,
@@ -200,6 +212,10 @@ pub struct CudaDriver {
     async_fns: Option<StreamFns>,
     register_fns: Option<RegisterFns>,
     hash_fns: Option<HashFns>,
+    share_fns: Option<ShareFns>,
+    /// New physical memory is made exportable (POSIX fd): off until
+    /// [`CudaDriver::set_exportable`], and off for good after the driver refused once.
+    exportable: AtomicBool,
     /// The gh1 kernel, loaded at the first device hash, unloaded by `end_copies`.
     kernel: Mutex<Option<Kernel>>,
     /// Loading the kernel failed once: no more tries (logged then).
@@ -316,6 +332,12 @@ impl CudaDriver {
                 memset: want(resolve, "cuMemsetD8Async")?,
             })
         })();
+        let share_fns = (|| {
+            Some(ShareFns {
+                export: want(resolve, "cuMemExportToShareableHandle")?,
+                import: want(resolve, "cuMemImportFromShareableHandle")?,
+            })
+        })();
         Ok(CudaDriver {
             device,
             ctx,
@@ -335,6 +357,8 @@ impl CudaDriver {
             async_fns,
             register_fns,
             hash_fns,
+            share_fns,
+            exportable: AtomicBool::new(false),
             kernel: Mutex::new(None),
             kernel_failed: AtomicBool::new(false),
             streams: Mutex::new(Vec::new()),
@@ -345,6 +369,13 @@ impl CudaDriver {
     /// The device the driver allocates on.
     pub fn device(&self) -> c_int {
         self.device
+    }
+
+    /// Makes physical memory created from now on exportable as a POSIX fd (what
+    /// [`VmmDriver::export`] needs), when this libcuda can export at all.
+    pub fn set_exportable(&self, on: bool) {
+        self.exportable
+            .store(on && self.share_fns.is_some(), Ordering::Relaxed);
     }
 
     /// Makes the driver's context current on a thread that has none (the control
@@ -461,9 +492,25 @@ impl VmmDriver for CudaDriver {
     fn create(&self, size: u64) -> Result<PhysHandle, DriverError> {
         self.bind();
         let call = DriverCall::Create;
+        let size = csize(call, size)?;
         let mut handle: c_ulonglong = 0;
-        let prop = self.prop();
-        let rc = unsafe { (self.create)(&mut handle, csize(call, size)?, &prop, 0) };
+        let mut prop = self.prop();
+        if self.exportable.load(Ordering::Relaxed) {
+            prop.requested_handle_types = HANDLE_TYPE_POSIX_FD;
+            let rc = unsafe { (self.create)(&mut handle, size, &prop, 0) };
+            if rc == 0 || rc == crate::driver::CUDA_ERROR_OUT_OF_MEMORY {
+                return check(call, rc).map(|()| PhysHandle(handle));
+            }
+            // This GPU or driver makes no exportable memory: plain memory from now on
+            // (a leave-running checkpoint then copies it back in instead of keeping it).
+            self.exportable.store(false, Ordering::Relaxed);
+            tracing::warn!(
+                code = rc,
+                "exportable device memory refused; allocating plain memory"
+            );
+            prop.requested_handle_types = 0;
+        }
+        let rc = unsafe { (self.create)(&mut handle, size, &prop, 0) };
         check(call, rc).map(|()| PhysHandle(handle))
     }
 
@@ -692,6 +739,42 @@ impl VmmDriver for CudaDriver {
         // cuMemFree waits for the device itself).
         unsafe { (h.free)(out) };
         result.map(Some)
+    }
+
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+        let Some(f) = self.share_fns else {
+            return Ok(None);
+        };
+        self.bind();
+        let mut fd: c_int = -1;
+        check(DriverCall::Export, unsafe {
+            (f.export)(
+                (&mut fd as *mut c_int).cast(),
+                handle.0,
+                HANDLE_TYPE_POSIX_FD,
+                0,
+            )
+        })?;
+        // SAFETY: the driver just opened this fd for us.
+        Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+        let call = DriverCall::Import;
+        let Some(f) = self.share_fns else {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_NOT_SUPPORTED,
+            });
+        };
+        self.bind();
+        let mut handle: c_ulonglong = 0;
+        // The POSIX fd is passed as the pointer-sized value itself.
+        let os_handle = fd.as_raw_fd() as usize as *mut c_void;
+        check(call, unsafe {
+            (f.import)(&mut handle, os_handle, HANDLE_TYPE_POSIX_FD)
+        })?;
+        Ok(PhysHandle(handle))
     }
 
     fn end_copies(&self) {

@@ -5,6 +5,8 @@
 //! `FakeDriver` (tests or feature `fake`). Every method takes `&self`: the
 //! driver is shared by the application's threads and the control thread.
 
+use std::os::fd::{BorrowedFd, OwnedFd};
+
 use gpu_state::image::gpuhash::ChunkSums;
 use thiserror::Error;
 
@@ -35,6 +37,10 @@ pub enum DriverCall {
     UnregisterHost,
     /// Hashing chunks on the device (module load, kernel launch, its small buffer).
     Hash,
+    /// `cuMemExportToShareableHandle` (a POSIX fd).
+    Export,
+    /// `cuMemImportFromShareableHandle`.
+    Import,
 }
 
 /// A failed driver call: which call and the driver's result code (`CUresult`).
@@ -49,6 +55,8 @@ pub struct DriverError {
 pub const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 /// `CUDA_ERROR_OUT_OF_MEMORY`.
 pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+/// `CUDA_ERROR_NOT_SUPPORTED`.
+pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
 /// The VMM calls the hook makes. Sizes passed to `reserve`, `create`, `map`, `unmap`,
 /// `set_access` and `free_va` are multiples of [`granularity`](Self::granularity).
@@ -130,6 +138,31 @@ pub trait VmmDriver: Send + Sync {
     /// A copy-out or copy-in finished: resources held for copies (streams, the hash
     /// kernel's module) can go, so a checkpoint does not carry them.
     fn end_copies(&self) {}
+    /// Exports the physical memory `handle` as a file descriptor
+    /// (`cuMemExportToShareableHandle`, POSIX fd). Whoever holds the fd keeps the memory
+    /// alive after this process releases its handle: the shim holds it across the
+    /// driver's checkpoint of a leave-running checkpoint, and [`import`](Self::import)
+    /// brings it back without a copy. `Ok(None)`: this driver cannot export.
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+        let _ = handle;
+        Ok(None)
+    }
+    /// A handle to memory exported by [`export`](Self::export), possibly by an earlier
+    /// life of this process (`cuMemImportFromShareableHandle`).
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+        let _ = fd;
+        Err(DriverError {
+            call: DriverCall::Import,
+            code: CUDA_ERROR_NOT_SUPPORTED,
+        })
+    }
+}
+
+/// The identity of an fd's open file (device, inode): the same after the fd travelled
+/// to another process and back.
+pub fn fd_identity(fd: BorrowedFd<'_>) -> Option<(u64, u64)> {
+    let st = nix::sys::stat::fstat(fd).ok()?;
+    Some((st.st_dev, st.st_ino))
 }
 
 /// `value` rounded up to a multiple of `align` (a power of two or any non-zero value);

@@ -5,6 +5,12 @@
 //! New physical memory is filled with [`FakeDriver::FILL`], not zeros, so a test notices
 //! when a copy-in was skipped.
 //!
+//! Exported memory ([`VmmDriver::export`]) is a memfd standing for the allocation:
+//! releasing the exporter's handle keeps the bytes while the export is known, and
+//! [`VmmDriver::import`] of that fd (after the release; sharing one allocation between
+//! live handles is not modelled) gives them a new handle. The fake cannot see an fd
+//! close, so exported memory lives on until imported.
+//!
 //! Async copies are honest about their timing: issuing one only checks it and queues
 //! it on its stream; the bytes move when that stream is waited for. So a caller that
 //! reads a device-to-host buffer, or reuses a host-to-device buffer, before `wait` gets
@@ -12,13 +18,14 @@
 //! memory and host registrations.
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 
 use gpu_state::image::gpuhash::{self, ChunkSums};
 
 use crate::driver::{
-    DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver, CUDA_ERROR_INVALID_VALUE,
-    CUDA_ERROR_OUT_OF_MEMORY,
+    fd_identity, DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
 };
 
 /// Where the fake's address space starts (like the driver's, above user mappings).
@@ -51,6 +58,20 @@ struct State {
     pending: Vec<Pending>,
     /// Whether `chunk_sums` hashes (like a driver with the kernel) or says it cannot.
     device_hash: bool,
+    /// Whether `export` exports (like a driver with exportable memory) or says it cannot.
+    no_export: bool,
+    /// Exported memory by its fd's identity (device, inode): the handle it belongs to now.
+    exports: HashMap<(u64, u64), PhysHandle>,
+    /// Memory whose handle was released while exported, by that old handle.
+    orphans: HashMap<PhysHandle, Vec<u8>>,
+}
+
+impl State {
+    fn used(&self) -> u64 {
+        let bytes =
+            |m: &HashMap<PhysHandle, Vec<u8>>| m.values().map(|v| v.len() as u64).sum::<u64>();
+        bytes(&self.physical) + bytes(&self.orphans)
+    }
 }
 
 /// What the fake saw of host registrations and async copies.
@@ -137,9 +158,14 @@ impl FakeDriver {
         self.lock().device_hash = on;
     }
 
-    /// Bytes of physical memory alive now.
+    /// Makes `export` say it cannot (`Ok(None)`), as a driver without exportable memory.
+    pub fn set_no_export(&self, on: bool) {
+        self.lock().no_export = on;
+    }
+
+    /// Bytes of physical memory alive now (exported memory no handle holds included).
     pub fn physical_bytes(&self) -> u64 {
-        self.lock().physical.values().map(|v| v.len() as u64).sum()
+        self.lock().used()
     }
 
     /// Most bytes of physical memory alive at one time.
@@ -282,7 +308,7 @@ impl VmmDriver for FakeDriver {
         let mut s = self.lock();
         Self::check(&mut s, call)?;
         self.check_aligned(call, &[size])?;
-        let used: u64 = s.physical.values().map(|v| v.len() as u64).sum();
+        let used = s.used();
         if size == 0 || used + size > self.capacity {
             return Err(DriverError {
                 call,
@@ -360,10 +386,11 @@ impl VmmDriver for FakeDriver {
         if s.mappings.values().any(|m| m.handle == handle) {
             return Err(invalid(call));
         }
-        s.physical
-            .remove(&handle)
-            .map(|_| ())
-            .ok_or_else(|| invalid(call))
+        let bytes = s.physical.remove(&handle).ok_or_else(|| invalid(call))?;
+        if s.exports.values().any(|h| *h == handle) {
+            s.orphans.insert(handle, bytes);
+        }
+        Ok(())
     }
 
     fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
@@ -495,6 +522,40 @@ impl VmmDriver for FakeDriver {
         }
         s.host.device_hashes += 1;
         Ok(Some(out))
+    }
+
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+        let call = DriverCall::Export;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        if s.no_export {
+            return Ok(None);
+        }
+        if !s.physical.contains_key(&handle) {
+            return Err(invalid(call));
+        }
+        let fd = nix::sys::memfd::memfd_create(
+            c"gpucr-fake-export",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC,
+        )
+        .map_err(|_| invalid(call))?;
+        let id = fd_identity(fd.as_fd()).ok_or_else(|| invalid(call))?;
+        s.exports.insert(id, handle);
+        Ok(Some(fd))
+    }
+
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+        let call = DriverCall::Import;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let id = fd_identity(fd).ok_or_else(|| invalid(call))?;
+        let old = *s.exports.get(&id).ok_or_else(|| invalid(call))?;
+        let bytes = s.orphans.remove(&old).ok_or_else(|| invalid(call))?;
+        let handle = PhysHandle(s.next_handle);
+        s.next_handle += 1;
+        s.physical.insert(handle, bytes);
+        s.exports.insert(id, handle);
+        Ok(handle)
     }
 
     fn wait(&self, stream: usize) -> Result<(), DriverError> {

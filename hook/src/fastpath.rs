@@ -10,7 +10,8 @@
 //! the copy streams. Host memory stays bounded by the two pools; nothing holds a copy
 //! of all device memory, and no DMA outlives its buffer ([`InFlight`]).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -26,7 +27,7 @@ use thiserror::Error;
 
 use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
-use crate::driver::{DevicePtr, DriverError, VmmDriver};
+use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HookStatus, MemoryReport,
@@ -75,6 +76,8 @@ pub enum FastPathError {
         offset: u64,
         image: PathBuf,
     },
+    #[error("Reattach: {0}; Remap and CopyIn instead")]
+    NotKept(String),
     #[error("the GPU check of the copied-in memory could not run (the hash kernel failed after the copy-in had begun); treat the restored memory as unchecked")]
     DeviceCheckUnavailable,
 }
@@ -107,6 +110,10 @@ pub struct FastPathOptions {
     /// Hash chunks on the GPU before copying (when the driver can): zero chunks and
     /// chunks the parent image stores are not copied, the rest only CRC'd on the CPU.
     pub device_hash: bool,
+    /// A Release with `keep` exports the memory (fds to the shim) instead of freeing it,
+    /// and Reattach maps it back: a leave-running checkpoint without a copy-in. Needs
+    /// memory made exportable (the preloaded hook asks the driver for it when on).
+    pub keep: bool,
 }
 
 /// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
@@ -119,6 +126,7 @@ pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
 pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
 pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
 pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
+pub const ENV_KEEP: &str = "GPUCR_HOOK_KEEP";
 
 /// Hook defaults: large chunks (fewer calls per GB), no compression (model weights
 /// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
@@ -145,7 +153,8 @@ impl FastPathOptions {
     /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory),
     /// `GPUCR_HOOK_DIRECT` (`0`; `1`: direct copy-out into tmpfs images),
     /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048), `GPUCR_HOOK_DEVICE_HASH` (`1`; `0` hashes
-    /// every chunk on the CPU after copying it).
+    /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
+    /// memory is plain, never exported, and a leave-running checkpoint copies it back).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -197,6 +206,7 @@ impl FastPathOptions {
         let direct = flag(ENV_DIRECT, false)?;
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         let device_hash = flag(ENV_DEVICE_HASH, true)?;
+        let keep = flag(ENV_KEEP, true)?;
         Ok(FastPathOptions {
             image: ImageOptions {
                 chunk_size,
@@ -214,6 +224,7 @@ impl FastPathOptions {
             direct,
             direct_window,
             device_hash,
+            keep,
         })
     }
 
@@ -568,6 +579,9 @@ pub struct FastPath<D> {
     opts: FastPathOptions,
     /// The last image copied out, to undo a release that failed half-way.
     last_image: Mutex<Option<PathBuf>>,
+    /// Memory exported by the last Release with `keep`: each address and its fd's
+    /// identity, so Reattach maps back exactly that memory.
+    kept: Mutex<BTreeMap<DevicePtr, Option<(u64, u64)>>>,
 }
 
 impl<D: VmmDriver + 'static> FastPath<D> {
@@ -577,6 +591,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             gate,
             opts,
             last_image: Mutex::new(None),
+            kept: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -883,18 +898,23 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// Releases the physical memory of every mapped allocation; the VA ranges stay.
     /// All or nothing: when one fails, the ones released before it are re-mapped and
     /// refilled from the last copy-out image.
-    pub fn release(&self) -> Result<MemoryReport, FastPathError> {
-        let mut report = MemoryReport {
-            allocations: 0,
-            bytes: 0,
-        };
-        let mut released = Vec::new();
-        for alloc in self
+    pub fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), FastPathError> {
+        let mut report = MemoryReport::default();
+        let mapped: Vec<Allocation> = self
             .movable()?
             .into_iter()
             .filter(|a| a.state == AllocState::Mapped)
-        {
+            .collect();
+        let exported = if keep && self.opts.keep {
+            self.export_all(&mapped)
+        } else {
+            Vec::new()
+        };
+        let mut released = Vec::new();
+        for alloc in mapped {
             if let Err(source) = self.allocator.release(alloc.va) {
+                // The refill below comes from the image; the exported copies may go.
+                drop(exported);
                 // Unmapped but not released still counts: its memory is gone.
                 if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
                     released.push(alloc.clone());
@@ -912,6 +932,75 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             report.allocations += 1;
             report.bytes += alloc.mapped_size;
             released.push(alloc);
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.clear();
+        let mut fds = Vec::with_capacity(exported.len());
+        for (va, fd) in exported {
+            kept.insert(va, fd_identity(fd.as_fd()));
+            report.held.push(va);
+            fds.push(fd);
+        }
+        Ok((report, fds))
+    }
+
+    /// Every allocation's memory exported as an fd, or none (logged why): the fds must
+    /// fit the process's fd limit and every export must work.
+    fn export_all(&self, allocs: &[Allocation]) -> Vec<(DevicePtr, OwnedFd)> {
+        if let Err(why) = make_fd_room(allocs.len()) {
+            tracing::info!(allocations = allocs.len(), "device memory not kept: {why}");
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(allocs.len());
+        for a in allocs {
+            match self.allocator.export(a.va) {
+                Ok(Some(fd)) => out.push((a.va, fd)),
+                Ok(None) => {
+                    tracing::info!("device memory not kept: the driver cannot export it");
+                    return Vec::new();
+                }
+                Err(e) => {
+                    tracing::warn!(va = a.va, error = %e, "device memory not kept: export failed");
+                    return Vec::new();
+                }
+            }
+        }
+        out
+    }
+
+    /// Maps the memory kept since the last Release back at `held` (its addresses, in
+    /// the order of `fds`). Only exactly that memory: every kept address, each with the
+    /// fd that left with it.
+    pub fn reattach(
+        &self,
+        held: &[DevicePtr],
+        fds: Vec<OwnedFd>,
+    ) -> Result<MemoryReport, FastPathError> {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sorted = held.to_vec();
+        sorted.sort_unstable();
+        if !sorted.iter().copied().eq(kept.keys().copied()) || fds.len() != held.len() {
+            return Err(FastPathError::NotKept(format!(
+                "{} address(es) and {} fd(s) given back, {} kept",
+                held.len(),
+                fds.len(),
+                kept.len()
+            )));
+        }
+        for (va, fd) in held.iter().zip(&fds) {
+            if fd_identity(fd.as_fd()) != kept[va] || kept[va].is_none() {
+                return Err(FastPathError::NotKept(format!(
+                    "the fd given back for {va:#x} is not the memory released there"
+                )));
+            }
+        }
+        let mut report = MemoryReport::default();
+        for (va, fd) in held.iter().zip(fds) {
+            // Mapped, the memory is held by this process's handle; the fd may close.
+            self.allocator.reattach(*va, fd.as_fd())?;
+            kept.remove(va);
+            report.allocations += 1;
+            report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
         }
         Ok(report)
     }
@@ -942,6 +1031,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// Creates physical memory again at the VA of every released allocation.
     pub fn remap(&self) -> Result<MemoryReport, FastPathError> {
+        // Kept memory not reattached is given up: the copy-in refills from the image.
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).clear();
         self.for_each_in(AllocState::Released, |va| self.allocator.remap(va))
     }
 
@@ -950,10 +1041,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         state: AllocState,
         op: impl Fn(DevicePtr) -> Result<(), AllocError>,
     ) -> Result<MemoryReport, FastPathError> {
-        let mut report = MemoryReport {
-            allocations: 0,
-            bytes: 0,
-        };
+        let mut report = MemoryReport::default();
         for alloc in self.movable()?.iter().filter(|a| a.state == state) {
             op(alloc.va)?;
             report.allocations += 1;
@@ -1354,14 +1442,21 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
         self.driver().end_copies();
         result
     }
-    fn release(&self) -> Result<MemoryReport, FastPathError> {
+    fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), FastPathError> {
         // A failed release refills memory from the image.
-        let result = FastPath::release(self);
+        let result = FastPath::release(self, keep);
         self.driver().end_copies();
         result
     }
     fn remap(&self) -> Result<MemoryReport, FastPathError> {
         FastPath::remap(self)
+    }
+    fn reattach(
+        &self,
+        held: &[DevicePtr],
+        fds: Vec<OwnedFd>,
+    ) -> Result<MemoryReport, FastPathError> {
+        FastPath::reattach(self, held, fds)
     }
     fn copy_in(&self, dir: &Path) -> Result<CopyInReport, FastPathError> {
         let result = FastPath::copy_in(self, dir);
@@ -1386,6 +1481,29 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
             unsupported: table.unsupported().to_vec(),
         }
     }
+}
+
+/// Makes room for `n` more open fds in this process (the exported memory's, until sent
+/// to the shim): raises the soft `RLIMIT_NOFILE` towards the hard one when needed.
+fn make_fd_room(n: usize) -> Result<(), String> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    // Headroom for the application's own fds meanwhile and the socket's.
+    const SPARE: u64 = 64;
+    let open = std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count() as u64)
+        .map_err(|e| format!("cannot count open fds: {e}"))?;
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| format!("getrlimit: {e}"))?;
+    let need = open + n as u64 + SPARE;
+    if need <= soft {
+        return Ok(());
+    }
+    if need > hard {
+        return Err(format!(
+            "{n} allocations need {need} open fds, above the fd limit ({hard}); raise the \
+             container's RLIMIT_NOFILE"
+        ));
+    }
+    setrlimit(Resource::RLIMIT_NOFILE, need, hard).map_err(|e| format!("setrlimit: {e}"))
 }
 
 #[cfg(test)]

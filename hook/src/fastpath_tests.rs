@@ -37,6 +37,7 @@ fn opts() -> FastPathOptions {
         direct_window: 1 << 30,
         // The fake hashes on the "device" only when a test switches it on.
         device_hash: true,
+        keep: true,
     }
 }
 
@@ -133,7 +134,8 @@ fn round_trip_keeps_contents_and_addresses_with_bounded_staging() {
     );
     assert!(out.peak_staging_bytes > 0 && out.peak_staging_bytes <= 2 * CHUNK as u64);
 
-    let released = s.fast.release().unwrap();
+    let (released, kept) = s.fast.release(false).unwrap();
+    assert!(kept.is_empty() && released.held.is_empty());
     assert_eq!(released.bytes, physical);
     assert_eq!(s.driver.physical_bytes(), 0, "all device memory released");
     assert_eq!(s.driver.reservations(), expected.len(), "VA kept");
@@ -187,7 +189,7 @@ fn delta_image_against_a_parent_restores_too() {
     let mut expected = populate(&s);
     let (_root, full, delta) = full_image_then_change(&s, &mut expected, 3, 5);
     s.fast.copy_out(&delta, Some(&full)).unwrap();
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     s.fast.copy_in(&delta).unwrap();
     s.fast.thaw().unwrap();
@@ -229,7 +231,7 @@ fn unsupported_memory_refuses_the_fast_path() {
         "{err}"
     );
     assert!(matches!(
-        s.fast.release(),
+        s.fast.release(false),
         Err(FastPathError::UnsupportedMemory(_))
     ));
     assert!(s.driver.physical_bytes() > 0, "nothing released");
@@ -318,7 +320,7 @@ fn checkpoint_sequence_over_the_control_socket() {
             image_dir: image.clone(),
             parent: None,
         },
-        Request::Release,
+        Request::Release { keep: false },
         Request::Status,
         Request::Remap,
         Request::CopyIn {
@@ -351,7 +353,7 @@ fn a_release_failing_half_way_is_undone_from_the_image() {
     s.fast.freeze().unwrap();
     s.fast.copy_out(&root.path().join("img"), None).unwrap();
     s.driver.fail_nth(DriverCall::Release, 3);
-    let err = s.fast.release().unwrap_err();
+    let err = s.fast.release(false).unwrap_err();
     assert!(matches!(err, FastPathError::ReleaseFailed { .. }), "{err}");
     assert!(
         err.to_string()
@@ -378,7 +380,7 @@ fn thaw_is_refused_while_memory_is_released() {
     assert_eq!(s.gate.state(), GateState::Frozen);
     // Without an image there is nothing to undo a failed release from.
     s.driver.fail_next(DriverCall::Release);
-    let err = s.fast.release().unwrap_err();
+    let err = s.fast.release(false).unwrap_err();
     assert!(err.to_string().contains("no copy-out image"), "{err}");
 }
 
@@ -454,7 +456,7 @@ fn pipelined_copies_are_exact_pinned_once_and_fully_waited_for() {
     assert_eq!(s.driver.outstanding_copies(), 0);
     assert!(out.peak_staging_bytes <= 6 * CHUNK as u64);
 
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     let copied = s.fast.copy_in(&image).unwrap();
     assert_eq!(copied.staging_bytes, 5 * CHUNK as u64);
@@ -507,7 +509,7 @@ fn driver_failures_mid_pipeline_leave_no_dma_and_no_image() {
         assert!(st.peak_outstanding >= 2, "{call:?}: failed mid-pipeline");
         // The state is unchanged: a second attempt works and restores exactly.
         s.fast.copy_out(&image, None).unwrap();
-        s.fast.release().unwrap();
+        s.fast.release(false).unwrap();
         s.fast.remap().unwrap();
         s.fast.copy_in(&image).unwrap();
         s.fast.thaw().unwrap();
@@ -524,7 +526,7 @@ fn failures_during_copy_in_leave_no_dma() {
         let image = root.path().join("img");
         s.fast.freeze().unwrap();
         s.fast.copy_out(&image, None).unwrap();
-        s.fast.release().unwrap();
+        s.fast.release(false).unwrap();
         s.fast.remap().unwrap();
         s.driver.fail_nth(call, skip);
         let err = s.fast.copy_in(&image).unwrap_err();
@@ -576,7 +578,7 @@ fn unpinned_copies_work_and_register_nothing() {
     let image = root.path().join("img");
     s.fast.freeze().unwrap();
     s.fast.copy_out(&image, None).unwrap();
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     s.fast.copy_in(&image).unwrap();
     s.fast.thaw().unwrap();
@@ -712,7 +714,7 @@ fn populate_with_duplicates(s: &Setup) -> Vec<(u64, Vec<u8>)> {
 }
 
 fn round_trip(s: &Setup, image: &Path, expected: &[(u64, Vec<u8>)]) {
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     s.fast.copy_in(image).unwrap();
     s.fast.thaw().unwrap();
@@ -882,7 +884,7 @@ fn direct_copy_in_reads_straight_from_the_mapped_image() {
     let image = root.path().join("img");
     s.fast.copy_out(&image, None).unwrap();
     for dir in [&image, &staged] {
-        s.fast.release().unwrap();
+        s.fast.release(false).unwrap();
         s.fast.remap().unwrap();
         let before = s.driver.host_stats();
         let report = s.fast.copy_in(dir).unwrap();
@@ -913,7 +915,7 @@ fn direct_copy_in_failures_leave_nothing_behind() {
     s.fast.freeze().unwrap();
     let image = root.path().join("img");
     s.fast.copy_out(&image, None).unwrap();
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     for (call, skip) in [(DriverCall::CopyFromHost, 6), (DriverCall::Wait, 3)] {
         s.driver.fail_nth(call, skip);
@@ -1191,7 +1193,7 @@ fn copy_in_checks_gpu_hashed_chunks_on_the_device() {
     let image = root.path().join("img");
     s.fast.freeze().unwrap();
     s.fast.copy_out(&image, None).unwrap();
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     let before = s.driver.host_stats().device_hashes;
     let rep = s.fast.copy_in(&image).unwrap();
@@ -1213,7 +1215,7 @@ fn copy_in_checks_gpu_hashed_chunks_on_the_device() {
 fn damaged_copy_in_fails_the_device_check(s: &Setup, image: &Path) -> FastPathError {
     let va = damage_first_stored_chunk(image);
     s.fast.freeze().unwrap();
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     let err = s.fast.copy_in(image).unwrap_err();
     assert!(
@@ -1233,7 +1235,7 @@ fn without_the_device_hash_copy_in_checks_crc_on_the_cpu() {
     s.fast.copy_out(&image, None).unwrap();
     damage_first_stored_chunk(&image);
     s.driver.set_device_hash(false);
-    s.fast.release().unwrap();
+    s.fast.release(false).unwrap();
     s.fast.remap().unwrap();
     let err = s.fast.copy_in(&image).unwrap_err();
     assert!(err.to_string().contains("CRC32C mismatch"), "{err}");
@@ -1249,4 +1251,80 @@ fn direct_copy_in_defers_gpu_hashed_chunks_to_the_device_check() {
     s.fast.copy_out(&image, None).unwrap();
     round_trip(&s, &image, &expected);
     damaged_copy_in_fails_the_device_check(&s, &image);
+}
+
+/// Frozen and copied out into a fresh image, ready for a release.
+fn frozen_and_copied(s: &Setup) -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    s.fast.freeze().unwrap();
+    s.fast.copy_out(&root.path().join("img"), None).unwrap();
+    root
+}
+
+#[test]
+fn kept_memory_is_reattached_without_a_copy() {
+    let s = setup();
+    let expected = populate(&s);
+    let physical = s.driver.physical_bytes();
+    let _image = frozen_and_copied(&s);
+    let (report, fds) = s.fast.release(true).unwrap();
+    assert_eq!(report.held.len(), expected.len());
+    assert_eq!(fds.len(), expected.len());
+    // Released by the process, alive through the fds.
+    assert_eq!(s.driver.mappings(), 0);
+    assert_eq!(s.driver.physical_bytes(), physical);
+    let copies_before = s.driver.host_stats();
+    s.fast.reattach(&report.held, fds).unwrap();
+    assert_eq!(s.driver.host_stats(), copies_before, "no copy");
+    for (va, data) in &expected {
+        assert_eq!(&read(&s.driver, *va, data.len() as u64), data);
+    }
+    s.fast.thaw().unwrap();
+    assert_eq!(s.driver.physical_bytes(), physical);
+}
+
+#[test]
+fn reattach_refuses_other_memory_and_remap_still_works() {
+    let s = setup();
+    let expected = populate(&s);
+    let image = frozen_and_copied(&s);
+    let (report, mut fds) = s.fast.release(true).unwrap();
+    // The fds in another order than the addresses: not the memory released there.
+    fds.swap(0, 1);
+    let err = s.fast.reattach(&report.held, fds).unwrap_err();
+    assert!(matches!(err, FastPathError::NotKept(_)), "{err}");
+    assert_eq!(s.driver.mappings(), 0, "nothing mapped");
+    // Fewer addresses than kept.
+    let err = s.fast.reattach(&report.held[1..], Vec::new()).unwrap_err();
+    assert!(matches!(err, FastPathError::NotKept(_)), "{err}");
+    // The fallback: new memory, filled from the image.
+    s.fast.remap().unwrap();
+    s.fast.copy_in(&image.path().join("img")).unwrap();
+    for (va, data) in &expected {
+        assert_eq!(&read(&s.driver, *va, data.len() as u64), data);
+    }
+    s.fast.thaw().unwrap();
+}
+
+#[test]
+fn a_failed_export_keeps_nothing_and_releases_as_usual() {
+    let s = setup();
+    populate(&s);
+    let _image = frozen_and_copied(&s);
+    s.driver.fail_nth(DriverCall::Export, 2);
+    let (report, fds) = s.fast.release(true).unwrap();
+    assert!(report.held.is_empty() && fds.is_empty());
+    // Released (the two exported first are freed as their fds close; the fake cannot
+    // see that and keeps them).
+    assert_eq!(s.driver.mappings(), 0);
+    assert_eq!(report.allocations, 7);
+    // Without keep in the options, nothing is exported either.
+    let s = setup_with(FastPathOptions {
+        keep: false,
+        ..opts()
+    });
+    populate(&s);
+    let _image = frozen_and_copied(&s);
+    let (report, _) = s.fast.release(true).unwrap();
+    assert!(report.held.is_empty());
 }

@@ -12,6 +12,14 @@
 //! given with CopyOut stay open while the hook is CopiedOut (a Release that fails
 //! half-way refills from that image) and are closed when it leaves that state; all
 //! other fds are closed after the verb. Requests without fds use absolute paths.
+//!
+//! **Memory by fd.** `Release` with `keep` exports each allocation's physical memory as
+//! an fd before releasing it; the reply lists their addresses in `held`, and the fds
+//! follow the reply frame in batches (one byte `F` with at most [`FD_BATCH`] fds each,
+//! as many batches as `held` needs). Whoever holds the fds keeps the memory on the GPU:
+//! the shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach`
+//! gives them back the same way (the request frame, then the batches) and the hook maps
+//! them at their addresses again: no copy-in.
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -28,6 +36,10 @@ pub const MAX_FRAME: u32 = 64 << 10;
 pub const MAX_FDS: usize = 2;
 /// Largest reply frame (a Status lists every unsupported allocation).
 pub const MAX_REPLY_FRAME: u32 = 16 << 20;
+/// Most memory fds in one batch (the kernel takes at most 253 per message).
+pub const FD_BATCH: usize = 128;
+/// Most memory fds one Release or Reattach moves.
+pub const MAX_HELD: usize = 1 << 16;
 
 /// A request on the control socket.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -42,10 +54,18 @@ pub enum Request {
         #[serde(default)]
         parent: Option<PathBuf>,
     },
-    /// Release the physical memory of every allocation, keeping the VA ranges.
-    Release,
+    /// Release the physical memory of every allocation, keeping the VA ranges. With
+    /// `keep`, the memory is exported first and its fds follow the reply (see the module
+    /// docs): nothing is freed while they are held.
+    Release {
+        #[serde(default)]
+        keep: bool,
+    },
     /// Create physical memory again at the same VAs.
     Remap,
+    /// Map the memory kept since Release back at its addresses `held` (the reply's
+    /// list; the fds follow this request in the same order): contents as at the release.
+    Reattach { held: Vec<u64> },
     /// Fill every allocation from the image at `image_dir`.
     CopyIn { image_dir: PathBuf },
     /// Let GPU work go on.
@@ -55,8 +75,8 @@ pub enum Request {
 }
 
 /// The verbs [`Request`] knows, to tell an unknown verb from a malformed request.
-pub const VERBS: [&str; 7] = [
-    "Freeze", "CopyOut", "Release", "Remap", "CopyIn", "Thaw", "Status",
+pub const VERBS: [&str; 8] = [
+    "Freeze", "CopyOut", "Release", "Remap", "Reattach", "CopyIn", "Thaw", "Status",
 ];
 
 impl Request {
@@ -65,8 +85,9 @@ impl Request {
         match self {
             Request::Freeze => Verb::Freeze,
             Request::CopyOut { .. } => Verb::CopyOut,
-            Request::Release => Verb::Release,
+            Request::Release { .. } => Verb::Release,
             Request::Remap => Verb::Remap,
+            Request::Reattach { .. } => Verb::Reattach,
             Request::CopyIn { .. } => Verb::CopyIn,
             Request::Thaw => Verb::Thaw,
             Request::Status => Verb::Status,
@@ -81,13 +102,15 @@ pub enum Verb {
     CopyOut,
     Release,
     Remap,
+    Reattach,
     CopyIn,
     Thaw,
     Status,
 }
 
 /// Where the hook is in the checkpoint sequence. Declaration order is the protocol
-/// order: Running → Frozen → CopiedOut → Released → Remapped → CopiedIn → Running.
+/// order: Running → Frozen → CopiedOut → Released → Remapped → CopiedIn → Running, or
+/// Released → Reattached → Running when the memory was kept (fds held by the shim).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CheckpointState {
     Running,
@@ -96,6 +119,8 @@ pub enum CheckpointState {
     Released,
     Remapped,
     CopiedIn,
+    /// The kept memory is mapped again: contents as at the release; Thaw is next.
+    Reattached,
 }
 
 /// A reply on the control socket.
@@ -113,6 +138,7 @@ pub enum Outcome {
     CopiedOut(CopyOutReport),
     Released(MemoryReport),
     Remapped(MemoryReport),
+    Reattached(MemoryReport),
     CopiedIn(CopyInReport),
     Thawed,
     Status(HookStatus),
@@ -163,12 +189,16 @@ pub struct CopyProfile {
     pub setup: f64,
 }
 
-/// A release's or remap's result.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A release's, remap's or reattach's result.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryReport {
     pub allocations: usize,
     /// Physical bytes released or created (granularity-rounded).
     pub bytes: u64,
+    /// Release with `keep`: the addresses whose memory fds follow the reply, in order
+    /// (empty: nothing kept, e.g. the driver cannot export; then Remap and CopyIn).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<u64>,
 }
 
 /// A copy-in's result.

@@ -212,7 +212,7 @@ impl Container {
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
         // The hook first: the driver's lock would block the hook's own CUDA calls.
-        let hooked = self.hook_copy_out(init.state, image).await?;
+        let hooked = self.hook_copy_out(init.state, image, !req.exit).await?;
         let quiesced = match self.quiesce_gpu(init.state).await {
             Ok(q) => q,
             Err(e) => {
@@ -339,6 +339,7 @@ impl Container {
         &self,
         state: InitState,
         image: &Path,
+        keep: bool,
     ) -> Result<Option<HookCheckpoint>> {
         if !self.hook || self.gpu.quiescer != gpu::Quiescer::Shim {
             return Ok(None);
@@ -352,7 +353,7 @@ impl Container {
         let (id, image) = (self.id.clone(), image.to_path_buf());
         let res = tokio::task::spawn_blocking(move || {
             let processes = gpu_hook::find(&sockets, &pids);
-            gpu_hook::copy_out(&id, &processes, &image)
+            gpu_hook::copy_out(&id, &processes, &image, keep)
         })
         .await;
         if paused {

@@ -6,6 +6,11 @@
 //! any failure before it, every such process gets its memory back: Remap → CopyIn → Thaw
 //! (or just Thaw, when nothing was released yet). A restored process does the same.
 //!
+//! A leave-running checkpoint asks the hook to keep the memory (`Release { keep }`): the
+//! hook exports it and the shim holds the fds across the driver's checkpoint and the dump,
+//! so the memory never leaves the GPU; giving it back is then Reattach → Thaw, no copy-in.
+//! The image is written all the same; a failed Reattach falls back to Remap → CopyIn.
+//!
 //! A process whose hook does not answer, reports memory it cannot move, or fails before
 //! anything was released is thawed and left to the driver path alone, with the reason
 //! logged and recorded. Only a process whose memory was released and cannot be given
@@ -15,6 +20,7 @@
 //! blocking thread. Processes are handled one after another.
 
 use std::fs::File;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -203,6 +209,29 @@ impl Conn {
         }
     }
 
+    /// Release; with `keep`, the kept memory's addresses and fds (empty when the hook
+    /// could not keep it).
+    fn release(&mut self, keep: bool) -> Result<(Vec<u64>, Vec<OwnedFd>)> {
+        let (reply, fds) = match self.client.release(keep) {
+            Ok((reply, fds)) => (Ok(reply), fds),
+            Err(e) => (Err(e), Vec::new()),
+        };
+        match self.reply(Verb::Release, reply)? {
+            // Without every fd nothing is kept (the memory is freed as they close).
+            Outcome::Released(r) if r.held.len() == fds.len() => Ok((r.held, fds)),
+            Outcome::Released(_) => Ok((Vec::new(), Vec::new())),
+            other => Err(self.unexpected(Verb::Release, &other)),
+        }
+    }
+
+    fn reattach(&mut self, held: &[u64], fds: &[OwnedFd]) -> Result<()> {
+        let reply = self.client.reattach(held, fds);
+        match self.reply(Verb::Reattach, reply)? {
+            Outcome::Reattached(_) => Ok(()),
+            other => Err(self.unexpected(Verb::Reattach, &other)),
+        }
+    }
+
     fn copy_in(&mut self, image: &Path) -> Result<u64> {
         let dir = File::open(image).map_err(|source| HookError::Io {
             pid: self.pid,
@@ -239,6 +268,9 @@ pub struct ProcessRecord {
     pub copy_out_bytes: u64,
     pub copy_out_ms: u64,
     pub release_ms: u64,
+    /// Allocations whose memory the shim held on the GPU across the dump (leave-running).
+    #[serde(default)]
+    pub kept: usize,
 }
 
 /// A process left to the driver path, and why.
@@ -329,6 +361,8 @@ enum Stage {
     Frozen,
     CopiedOut,
     Released,
+    /// The kept memory is mapped again: Thaw is all that is left.
+    Reattached,
 }
 
 /// A process whose hook moved (part of) the checkpoint.
@@ -337,6 +371,9 @@ struct Moved {
     process: HookProcess,
     stage: Stage,
     record: ProcessRecord,
+    /// Kept memory (Release with `keep`): addresses and the fds that hold it.
+    held: Vec<u64>,
+    fds: Vec<OwnedFd>,
 }
 
 /// The hook's part of one checkpoint: processes frozen with their memory in the image
@@ -346,18 +383,27 @@ struct Moved {
 pub struct HookCheckpoint {
     id: String,
     image: PathBuf,
+    /// Ask the hooks to keep the memory on the GPU (the task lives on).
+    keep: bool,
     moved: Vec<Moved>,
     fallbacks: Vec<Fallback>,
 }
 
 /// Checkpoint, before the driver's lock: Status → Freeze → CopyOut → Release for each of
-/// `processes`, images under `<image>/gpu-hook/`. A process that cannot is left running
-/// for the driver path; an error means a process could not be brought back (every other
-/// one was).
-pub fn copy_out(id: &str, processes: &[HookProcess], image: &Path) -> Result<HookCheckpoint> {
+/// `processes`, images under `<image>/gpu-hook/`; with `keep` (leave-running) the memory
+/// stays on the GPU, held by this shim until [`HookCheckpoint::give_back`]. A process that
+/// cannot is left running for the driver path; an error means a process could not be
+/// brought back (every other one was).
+pub fn copy_out(
+    id: &str,
+    processes: &[HookProcess],
+    image: &Path,
+    keep: bool,
+) -> Result<HookCheckpoint> {
     let mut cp = HookCheckpoint {
         id: id.to_string(),
         image: image.to_path_buf(),
+        keep,
         moved: Vec::new(),
         fallbacks: Vec::new(),
     };
@@ -378,6 +424,7 @@ pub fn copy_out(id: &str, processes: &[HookProcess], image: &Path) -> Result<Hoo
                     ns_pid = p.ns_pid,
                     bytes = moved.record.copy_out_bytes,
                     copy_out_ms = moved.record.copy_out_ms,
+                    kept = moved.record.kept,
                     "device memory moved by the hook"
                 );
                 cp.moved.push(moved);
@@ -437,7 +484,10 @@ impl HookCheckpoint {
                 copy_out_bytes: 0,
                 copy_out_ms: 0,
                 release_ms: 0,
+                kept: 0,
             },
+            held: Vec::new(),
+            fds: Vec::new(),
         };
         let t = Instant::now();
         conn.call(&Request::Freeze).map_err(fallback)?;
@@ -449,15 +499,17 @@ impl HookCheckpoint {
             moved.record.copy_out_ms = ms_since(t);
             (moved.record.copy_out_bytes, moved.record.allocations) = (bytes, allocations);
             let t = Instant::now();
-            conn.call(&Request::Release)?;
+            let (held, fds) = conn.release(self.keep)?;
             moved.record.release_ms = ms_since(t);
+            moved.record.kept = held.len();
+            (moved.held, moved.fds) = (held, fds);
             moved.stage = Stage::Released;
             Ok(())
         });
         match steps {
             Ok(()) => Ok(moved),
             // The hook undid a failed release itself; the process is CopiedOut or Frozen.
-            Err(e) => match give_back_one(&self.image, &moved, &mut conn) {
+            Err(e) => match give_back_one(&self.image, &mut moved, &mut conn) {
                 Ok(()) => {
                     let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, p.ns_pid));
                     Err(fallback(e))
@@ -494,9 +546,9 @@ impl HookCheckpoint {
     /// failure.
     pub fn give_back(mut self) -> Result<()> {
         let mut first = None;
-        for m in std::mem::take(&mut self.moved) {
+        for mut m in std::mem::take(&mut self.moved) {
             let res = Conn::open(&m.process)
-                .and_then(|mut conn| give_back_one(&self.image, &m, &mut conn));
+                .and_then(|mut conn| give_back_one(&self.image, &mut m, &mut conn));
             if let Err(e) = res {
                 tracing::error!(id = %self.id, pid = m.process.host_pid, "hook: {e}");
                 let e = match m.stage {
@@ -513,8 +565,30 @@ impl HookCheckpoint {
     }
 }
 
-/// Remap → CopyIn → Thaw, or Thaw alone when nothing was released.
-fn give_back_one(image: &Path, m: &Moved, conn: &mut Conn) -> Result<()> {
+/// Reattach → Thaw when the memory was kept, else Remap → CopyIn → Thaw (also after a
+/// failed Reattach), or Thaw alone when nothing was released.
+fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
+    if m.stage == Stage::Released && !m.fds.is_empty() {
+        let t = Instant::now();
+        let fds = std::mem::take(&mut m.fds);
+        match conn.reattach(&m.held, &fds) {
+            Ok(()) => {
+                tracing::info!(
+                    pid = m.process.host_pid,
+                    allocations = fds.len(),
+                    reattach_ms = ms_since(t),
+                    "device memory kept on the GPU given back by the hook (no copy-in)"
+                );
+                m.stage = Stage::Reattached;
+            }
+            Err(e) => tracing::warn!(
+                pid = m.process.host_pid,
+                error = %e,
+                "kept device memory not reattached; copying it in from the image"
+            ),
+        }
+        // Closing our fds frees what the hook did not take back.
+    }
     if m.stage == Stage::Released {
         let t = Instant::now();
         conn.call(&Request::Remap)?;
@@ -560,12 +634,14 @@ pub fn copy_in_restored(
                 ),
             });
         }
-        let moved = Moved {
+        let mut moved = Moved {
             process,
             stage: Stage::Released,
             record: p.clone(),
+            held: Vec::new(),
+            fds: Vec::new(),
         };
-        give_back_one(image, &moved, &mut conn)?;
+        give_back_one(image, &mut moved, &mut conn)?;
         tracing::info!(
             id,
             ns_pid = p.ns_pid,

@@ -86,7 +86,7 @@ fn checkpoint_moves_memory_and_gives_it_back() {
     let procs = [fake(11), fake(12)];
     let image = tempfile::tempdir().unwrap();
     let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
-    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false).unwrap();
     for p in &procs {
         assert_eq!(p.hook.state(), CheckpointState::Released);
         assert!(HookRecord::image_of(image.path(), p.process.ns_pid).is_dir());
@@ -105,6 +105,57 @@ fn checkpoint_moves_memory_and_gives_it_back() {
     procs.iter().for_each(FakeProcess::assert_intact);
 }
 
+/// Flips a byte in the middle of the first data file of process `ns_pid`'s image.
+fn damage_image(image: &Path, ns_pid: u32) {
+    let dir = HookRecord::image_of(image, ns_pid);
+    let data = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| std::fs::metadata(p).unwrap().len() > 64 && !p.ends_with("manifest.json"))
+        .expect("a data file");
+    let mut bytes = std::fs::read(&data).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&data, bytes).unwrap();
+}
+
+#[test]
+fn leave_running_keeps_the_memory_on_the_gpu_and_reattaches_it() {
+    let p = fake(13);
+    let image = tempfile::tempdir().unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), true).unwrap();
+    assert_eq!(p.hook.state(), CheckpointState::Released);
+    let record = cp.record();
+    assert_eq!(record.processes[0].kept, 3, "{record:?}");
+    // The image is complete all the same (a restore elsewhere needs it).
+    record.validate(image.path()).unwrap();
+    // Held by the shim's fds: still on the "GPU" though the hook released it.
+    assert!(p.driver.physical_bytes() >= 3 * 50_000);
+    // Given back without a copy-in: a damaged image does not matter.
+    damage_image(image.path(), 13);
+    cp.give_back().unwrap();
+    p.assert_intact();
+}
+
+#[test]
+fn kept_memory_that_cannot_be_reattached_is_copied_in() {
+    let p = fake(14);
+    let image = tempfile::tempdir().unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), true).unwrap();
+    p.driver.fail_nth(DriverCall::Import, 1);
+    cp.give_back().unwrap();
+    p.assert_intact();
+
+    // A driver that cannot export: nothing kept, the usual Remap and CopyIn.
+    let q = fake(15);
+    q.driver.set_no_export(true);
+    let cp = copy_out("c", std::slice::from_ref(&q.process), image.path(), true).unwrap();
+    assert_eq!(cp.record().processes[0].kept, 0);
+    cp.give_back().unwrap();
+    q.assert_intact();
+}
+
 #[test]
 fn unsupported_memory_or_a_dead_socket_leaves_the_process_to_the_driver() {
     let odd = fake(21);
@@ -118,7 +169,7 @@ fn unsupported_memory_or_a_dead_socket_leaves_the_process_to_the_driver() {
     };
     let image = tempfile::tempdir().unwrap();
     let targets = [odd.process.clone(), dead, good.process.clone()];
-    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false).unwrap();
     let record = cp.record();
     assert_eq!(record.processes.len(), 1);
     assert_eq!(record.processes[0].ns_pid, 22);
@@ -141,7 +192,7 @@ fn a_failed_copy_out_or_release_thaws_and_falls_back() {
     let release_fails = fake(32);
     release_fails.driver.fail_nth(DriverCall::Release, 1);
     let targets = [copy_fails.process.clone(), release_fails.process.clone()];
-    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false).unwrap();
     let record = cp.record();
     assert!(record.processes.is_empty(), "{record:?}");
     assert_eq!(record.fallbacks.len(), 2);
@@ -159,7 +210,7 @@ fn give_back_tries_every_process_and_reports_the_stranded_one() {
     let procs = [fake(41), fake(42)];
     let image = tempfile::tempdir().unwrap();
     let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
-    let cp = copy_out("c", &targets, image.path()).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false).unwrap();
     procs[0].driver.fail_next(DriverCall::Create);
     let err = cp.give_back().unwrap_err();
     assert!(matches!(err, HookError::Stranded { .. }), "{err}");
@@ -173,7 +224,7 @@ fn a_restored_process_gets_its_memory_from_the_image() {
     let me = std::process::id();
     let p = fake(me);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path()).unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), false).unwrap();
     let record = cp.record();
     // As after CRIU's restore: the hook answers in the new socket directory, Released.
     let socket_dir = p.process.socket.parent().unwrap();
@@ -189,21 +240,12 @@ fn a_restored_process_gets_its_memory_from_the_image() {
 fn a_damaged_or_missing_hook_image_is_refused() {
     let p = fake(51);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path()).unwrap();
+    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), false).unwrap();
     let record = cp.record();
     cp.give_back().unwrap();
     record.validate(image.path()).unwrap();
+    damage_image(image.path(), 51);
     let dir = HookRecord::image_of(image.path(), 51);
-    let data = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| std::fs::metadata(p).unwrap().len() > 64 && !p.ends_with("manifest.json"))
-        .expect("a data file");
-    let mut bytes = std::fs::read(&data).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 0xff;
-    std::fs::write(&data, bytes).unwrap();
     let err = record.validate(image.path()).unwrap_err();
     assert!(err.to_string().contains("damaged"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();

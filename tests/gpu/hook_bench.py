@@ -15,6 +15,9 @@ One process, side by side:
   incr    a second copy-out with the first image as parent (unchanged static memory dedups)
   fastincr  the fast cycle again with the first image as parent (a periodic leave-running
           checkpoint of unchanged weights)
+  keep, keepincr  fast and fastincr as the shim runs them now: Release {keep} hands the
+          memory's fds to this script, which holds them across the driver's cycle, and
+          Reattach maps the same memory back (no Remap, no CopyIn)
 Every result is one JSON line in --out; a summary line per phase goes to stdout.
 """
 import argparse
@@ -68,6 +71,34 @@ class Hook:
         ok = reply.get("ok")
         body = next(iter(ok.values())) if isinstance(ok, dict) else {}
         return ms, body
+
+    def release(self, keep):
+        """Release; with keep, also the fds of the kept memory (batches after the reply)."""
+        ms, body = self.call("Release", keep=keep)
+        held = body.get("held") or []
+        fds = []
+        t0 = time.monotonic()
+        while len(fds) < len(held):
+            msg, got, _flags, _addr = socket.recv_fds(self.s, 1, 128)
+            if not msg:
+                raise RuntimeError("hook closed the connection while sending kept memory")
+            fds.extend(got)
+        return ms + (time.monotonic() - t0) * 1000, body, held, fds
+
+    def reattach(self, held, fds):
+        req = json.dumps(dict(verb="Reattach", held=held)).encode()
+        t0 = time.monotonic()
+        self.s.sendall(struct.pack(">I", len(req)) + req)
+        for i in range(0, len(fds), 128):
+            socket.send_fds(self.s, [b"F"], fds[i:i + 128])
+        hdr = self._read(4)
+        (n,) = struct.unpack(">I", hdr)
+        reply = json.loads(self._read(n))
+        for fd in fds:
+            os.close(fd)
+        if "error" in reply:
+            raise RuntimeError(f"hook Reattach: {reply['error']}")
+        return (time.monotonic() - t0) * 1000
 
     def _read(self, n):
         buf = b""
@@ -230,23 +261,41 @@ def main():
 
         img1 = os.path.join(a.tmpfs, f"img-{label}")
         shutil.rmtree(img1, ignore_errors=True)
-        def leave_running_cycle(img, parent):
+        def leave_running_cycle(img, parent, keep=False):
             """Freeze -> CopyOut -> Release -> driver lock+checkpoint (of the rest) ->
             restore+unlock -> Remap -> CopyIn -> Thaw, as the shim runs a leave-running
-            checkpoint; the ms of every step and the hook's reports."""
-            c = {}
+            checkpoint (with keep: Release {keep} -> ... -> Reattach -> Thaw); the ms of
+            every step and the hook's reports."""
+            c = {"rm": 0.0, "ci": 0.0, "cin": {}, "ra": 0.0, "kept": 0}
             t0 = time.monotonic()
             c["fz"], _ = h.call("Freeze")
             c["co"], c["rep"] = h.call("CopyOut", image_dir=img, parent=parent)
-            c["rl"], c["rel"] = h.call("Release")
+            c["rl"], c["rel"], held, fds = h.release(keep)
             c["q"] = drive(a.drive, "quiesce", proc.pid)
             c["left_ms"] = (time.monotonic() - t0) * 1000
             c["r"] = drive(a.drive, "resume", proc.pid)
-            c["rm"], _ = h.call("Remap")
-            c["ci"], c["cin"] = h.call("CopyIn", image_dir=img)
+            if fds:
+                c["kept"] = len(fds)
+                c["ra"] = h.reattach(held, fds)
+            else:
+                c["rm"], _ = h.call("Remap")
+                c["ci"], c["cin"] = h.call("CopyIn", image_dir=img)
             c["th"], _ = h.call("Thaw")
             c["total"] = (time.monotonic() - t0) * 1000
             return c
+
+        def record_keep(phase, c):
+            rep, q, r = c["rep"], c["q"], c["r"]
+            record(phase, kept=c["kept"], freeze_ms=round(c["fz"], 1),
+                   copy_out_ms=round(c["co"], 1),
+                   copy_out_gbps=round(rep.get("bytes", 0) / c["co"] / 1e6, 2),
+                   copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   parent_chunks=rep.get("parent_chunks"), release_ms=round(c["rl"], 1),
+                   driver_lock_ms=q.get("lock"), driver_d2h_ms=q.get("checkpoint"),
+                   driver_h2d_ms=r.get("restore"), driver_unlock_ms=r.get("unlock"),
+                   reattach_ms=round(c["ra"], 1), remap_ms=round(c["rm"], 1),
+                   copy_in_ms=round(c["ci"], 1), thaw_ms=round(c["th"], 1),
+                   pause_ms=round(c["total"], 1), out_profile=rep.get("profile"))
 
         if "fast" in phases:
             wait_step(steps, proc.pid, last_step(steps) + 1, 30)
@@ -289,6 +338,19 @@ def main():
                    pause_ms=round(c["total"], 1),
                    out_profile=rep.get("profile"), in_profile=cin.get("profile"))
             shutil.rmtree(img4, ignore_errors=True)
+
+        if "keep" in phases:
+            img5 = os.path.join(a.tmpfs, f"img5-{label}")
+            shutil.rmtree(img5, ignore_errors=True)
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            record_keep("keep", leave_running_cycle(img5, None, keep=True))
+            if "keepincr" in phases:
+                img6 = os.path.join(a.tmpfs, f"img6-{label}")
+                shutil.rmtree(img6, ignore_errors=True)
+                wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+                record_keep("keepincr", leave_running_cycle(img6, img5, keep=True))
+                shutil.rmtree(img6, ignore_errors=True)
+            shutil.rmtree(img5, ignore_errors=True)
 
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")

@@ -275,6 +275,10 @@ fn assert_hook_record(record: &[u8]) {
     assert_eq!(processes.len(), 1, "{record}");
     assert_eq!(processes[0]["ns_pid"], 1, "{record}");
     assert_eq!(processes[0]["allocations"], 2, "{record}");
+    assert_eq!(
+        processes[0]["kept"], 2,
+        "leave-running keeps the memory: {record}"
+    );
     let bytes = processes[0]["copy_out_bytes"].as_u64().unwrap();
     assert!(
         bytes >= APP_BYTES,
@@ -348,13 +352,23 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
     );
     g.ctd.wait_status(&id, "RUNNING").unwrap();
     g.assert_memory_kept(&id, &hash);
+    // Leave-running: the memory was released but kept (exported, its fds held by the
+    // shim across the dump) and reattached: no new memory, no copy-in.
     assert_eq!(g.count(&id, "cuMemRelease"), 2, "{:#?}", g.mem_log(&id));
     assert_eq!(
-        g.count(&id, "cuMemCreate"),
-        4,
-        "remapped: {:#?}",
+        g.count(&id, "cuMemExportToShareableHandle"),
+        2,
+        "{:#?}",
         g.mem_log(&id)
     );
+    assert_eq!(
+        g.count(&id, "cuMemImportFromShareableHandle"),
+        2,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    assert_eq!(g.count(&id, "cuMemCreate"), 2, "{:#?}", g.mem_log(&id));
+    assert!(g.shim_log().contains("(no copy-in)"), "{}", g.shim_log());
 
     // A container checkpoint (ctr pauses the task around it), then a restore of it.
     // containerd 1.7 stores no CRIU tar while an identical spec blob is referenced: the
@@ -365,6 +379,7 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
         .container_checkpoint(&id, &reference, true)
         .expect("ctr container checkpoint --task --rw");
     g.assert_memory_kept(&id, &hash);
+    let created = g.count(&id, "cuMemCreate");
     g.ctd.remove_container(&id).unwrap();
     g.ctd
         .container_restore(&id, &reference, true)
@@ -373,8 +388,9 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
     g.assert_memory_kept(&id, &hash);
     // The restored process got its memory back from the image (remap: two more
     // cuMemCreate in the restored log), and the shim said so.
-    assert!(
-        g.count(&id, "cuMemCreate") >= 6,
+    assert_eq!(
+        g.count(&id, "cuMemCreate"),
+        created + 2,
         "no remap after the restore: {:#?}",
         g.mem_log(&id)
     );
@@ -410,9 +426,15 @@ fn failed_driver_lock_gives_the_memory_back() {
     assert_eq!(g.fake.calls_of(pid), ["lock -> 2"]);
     g.ctd.wait_status(&id, "RUNNING").unwrap();
     g.assert_memory_kept(&id, &hash);
-    // Released, then remapped and copied back in.
+    // Released (kept by the shim), then reattached.
     assert_eq!(g.count(&id, "cuMemRelease"), 2, "{:#?}", g.mem_log(&id));
-    assert_eq!(g.count(&id, "cuMemCreate"), 4, "{:#?}", g.mem_log(&id));
+    assert_eq!(
+        g.count(&id, "cuMemImportFromShareableHandle"),
+        2,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    assert_eq!(g.count(&id, "cuMemCreate"), 2, "{:#?}", g.mem_log(&id));
     g.ctd.remove_container(&id).unwrap();
 }
 

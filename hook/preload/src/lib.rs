@@ -113,8 +113,10 @@ fn make_hook() -> Result<Hook<CudaDriver>, String> {
     // SAFETY: real_cu looks functions up on libcuda's handle, never our wrappers.
     let driver = unsafe { CudaDriver::from_resolver(&resolve) }.map_err(|e| e.to_string())?;
     let device = driver.device();
-    let hook =
-        Hook::new(Arc::new(driver), FastPathOptions::default()).map_err(|e| e.to_string())?;
+    let opts = FastPathOptions::default();
+    // Exportable memory lets a leave-running checkpoint keep it on the GPU (no copy-in).
+    driver.set_exportable(opts.keep);
+    let hook = Hook::new(Arc::new(driver), opts).map_err(|e| e.to_string())?;
     note(format_args!("active on device {device}"));
     Ok(hook)
 }

@@ -342,7 +342,7 @@ fn checkpoint_cycle_keeps_memory_exact_and_gates_launches() {
         app.mem_log()
     );
 
-    ok(&mut client, &Request::Release);
+    ok(&mut client, &Request::Release { keep: false });
     for (va, _) in app.allocs {
         assert_eq!(app.protection(va), "---p", "{va:#x} still accessible");
     }

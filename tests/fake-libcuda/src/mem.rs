@@ -298,6 +298,85 @@ pub extern "C" fn cuMemRelease(handle: c_ulonglong) -> CuResult {
     }
 }
 
+/// `cuMemExportToShareableHandle` with a POSIX fd: a duplicate of the memfd, which keeps
+/// the memory alive after `cuMemRelease`, as the driver's exported fd does.
+///
+/// # Safety
+/// `out` valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    handle: c_ulonglong,
+    kind: c_int,
+    _flags: c_ulonglong,
+) -> CuResult {
+    need_ctx!("cuMemExportToShareableHandle");
+    let Some((fd, _)) = with_tables(|t| t.physical.get(&handle).copied()) else {
+        return log(
+            format_args!("cuMemExportToShareableHandle {handle}"),
+            INVALID_VALUE,
+        );
+    };
+    // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only.
+    if out.is_null() || kind != 1 {
+        return log(
+            format_args!("cuMemExportToShareableHandle {handle}"),
+            INVALID_VALUE,
+        );
+    }
+    let dup = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
+    if dup < 0 {
+        return log(
+            format_args!("cuMemExportToShareableHandle {handle}"),
+            OUT_OF_MEMORY,
+        );
+    }
+    *out.cast::<c_int>() = dup;
+    log(
+        format_args!("cuMemExportToShareableHandle {handle} fd={dup}"),
+        SUCCESS,
+    )
+}
+
+/// `cuMemImportFromShareableHandle` of a POSIX fd (passed as the pointer's value): a new
+/// handle on a duplicate of it.
+///
+/// # Safety
+/// `handle` valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut c_ulonglong,
+    os_handle: *mut c_void,
+    kind: c_int,
+) -> CuResult {
+    need_ctx!("cuMemImportFromShareableHandle");
+    let fd = os_handle as usize as c_int;
+    let mut st: libc::stat = std::mem::zeroed();
+    if handle.is_null() || kind != 1 || libc::fstat(fd, &mut st) != 0 || st.st_size <= 0 {
+        return log(
+            format_args!("cuMemImportFromShareableHandle fd={fd}"),
+            INVALID_VALUE,
+        );
+    }
+    let dup = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
+    if dup < 0 {
+        return log(
+            format_args!("cuMemImportFromShareableHandle fd={fd}"),
+            OUT_OF_MEMORY,
+        );
+    }
+    let h = with_tables(|t| {
+        t.next_handle += 1;
+        t.physical.insert(t.next_handle, (dup, st.st_size as usize));
+        t.next_handle
+    });
+    *handle = h;
+    log(
+        format_args!("cuMemImportFromShareableHandle fd={fd} handle={h}"),
+        SUCCESS,
+    )
+}
+
 #[no_mangle]
 pub extern "C" fn cuMemMap(
     ptr: DevicePtr,
@@ -746,6 +825,8 @@ fn export(name: &str) -> Option<*mut c_void> {
         cuMemAddressReserve,
         cuMemAddressFree,
         cuMemCreate,
+        cuMemExportToShareableHandle,
+        cuMemImportFromShareableHandle,
         cuMemRelease,
         cuMemMap,
         cuMemSetAccess,
