@@ -366,6 +366,52 @@ impl<D: VmmDriver> Allocator<D> {
         Ok(())
     }
 
+    /// Moves the mapped allocation at `va` onto new physical memory of its own, with a
+    /// device-to-device copy: memory imported from an fd cannot be exported again, new
+    /// memory can. Needs room on the device for one more copy of the allocation; on any
+    /// failure the allocation stays on its old memory.
+    pub fn renew(&self, va: DevicePtr) -> Result<(), AllocError> {
+        let mut table = self.table();
+        let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
+        let (AllocState::Mapped, Some(old)) = (alloc.state, alloc.handle) else {
+            return Err(AllocError::WrongState {
+                va,
+                state: alloc.state,
+                expected: AllocState::Mapped,
+            });
+        };
+        let size = alloc.mapped_size;
+        // The copy: new memory at a temporary address.
+        let tmp = self.driver.reserve(size, None)?;
+        let new = match self.back(tmp, size) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = self.driver.free_va(tmp, size);
+                return Err(e);
+            }
+        };
+        let copied = self.driver.copy_device(tmp, va, size);
+        let _ = self.driver.unmap(tmp, size);
+        let _ = self.driver.free_va(tmp, size);
+        if let Err(e) = copied {
+            let _ = self.driver.release(new);
+            return Err(e.into());
+        }
+        // The swap: the new memory at the allocation's address.
+        if let Err(e) = self.driver.unmap(va, size) {
+            let _ = self.driver.release(new);
+            return Err(e.into());
+        }
+        if let Err(e) = self.map_accessible(va, size, new) {
+            // `new` is gone; the old memory (still held) goes back.
+            self.map_accessible(va, size, old)?;
+            return Err(e);
+        }
+        alloc.handle = Some(new);
+        self.driver.release(old)?;
+        Ok(())
+    }
+
     /// Start addresses of all allocations, by address.
     pub fn addresses(&self) -> Vec<DevicePtr> {
         self.table().iter().map(|a| a.va).collect()

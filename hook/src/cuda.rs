@@ -85,6 +85,7 @@ type FnRelease = unsafe extern "C" fn(c_ulonglong) -> CuResult;
 type FnAddressFree = unsafe extern "C" fn(DevicePtr, usize) -> CuResult;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult;
+type FnDtoD = unsafe extern "C" fn(DevicePtr, DevicePtr, usize) -> CuResult;
 type FnSync = unsafe extern "C" fn() -> CuResult;
 /// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the memory.
 const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
@@ -208,6 +209,7 @@ pub struct CudaDriver {
     address_free: FnAddressFree,
     dtoh: FnDtoH,
     htod: FnHtoD,
+    dtod: Option<FnDtoD>,
     sync: FnSync,
     async_fns: Option<StreamFns>,
     register_fns: Option<RegisterFns>,
@@ -353,6 +355,7 @@ impl CudaDriver {
             address_free: need(resolve, "cuMemAddressFree")?,
             dtoh: need(resolve, "cuMemcpyDtoH_v2")?,
             htod: need(resolve, "cuMemcpyHtoD_v2")?,
+            dtod: want(resolve, "cuMemcpyDtoD_v2"),
             sync: need(resolve, "cuCtxSynchronize")?,
             async_fns,
             register_fns,
@@ -561,6 +564,18 @@ impl VmmDriver for CudaDriver {
         self.bind();
         let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
         check(DriverCall::CopyFromHost, rc)
+    }
+
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+        let call = DriverCall::CopyDevice;
+        let Some(dtod) = self.dtod else {
+            return Err(DriverError {
+                call,
+                code: CUDA_ERROR_NOT_SUPPORTED,
+            });
+        };
+        self.bind();
+        check(call, unsafe { dtod(dst, src, csize(call, len)?) })
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {

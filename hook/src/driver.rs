@@ -41,6 +41,8 @@ pub enum DriverCall {
     Export,
     /// `cuMemImportFromShareableHandle`.
     Import,
+    /// `cuMemcpyDtoD_v2`.
+    CopyDevice,
 }
 
 /// A failed driver call: which call and the driver's result code (`CUresult`).
@@ -146,6 +148,15 @@ pub trait VmmDriver: Send + Sync {
     fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
         let _ = handle;
         Ok(None)
+    }
+    /// Copies `len` bytes from device address `src` to device address `dst`
+    /// (`cuMemcpyDtoD_v2`, synchronous).
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+        let _ = (dst, src, len);
+        Err(DriverError {
+            call: DriverCall::CopyDevice,
+            code: CUDA_ERROR_NOT_SUPPORTED,
+        })
     }
     /// A handle to memory exported by [`export`](Self::export), possibly by an earlier
     /// life of this process (`cuMemImportFromShareableHandle`).

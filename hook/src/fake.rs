@@ -9,7 +9,9 @@
 //! releasing the exporter's handle keeps the bytes while the export is known, and
 //! [`VmmDriver::import`] of that fd (after the release; sharing one allocation between
 //! live handles is not modelled) gives them a new handle. The fake cannot see an fd
-//! close, so exported memory lives on until imported.
+//! close, so exported memory lives on until imported (once: the import spends it). An imported handle cannot be
+//! exported again (as the H200's driver behaved: a second keep after a reattach kept
+//! nothing).
 //!
 //! Async copies are honest about their timing: issuing one only checks it and queues
 //! it on its stream; the bytes move when that stream is waited for. So a caller that
@@ -64,6 +66,8 @@ struct State {
     exports: HashMap<(u64, u64), PhysHandle>,
     /// Memory whose handle was released while exported, by that old handle.
     orphans: HashMap<PhysHandle, Vec<u8>>,
+    /// Handles made by `import`: the driver does not export them again.
+    imported: std::collections::HashSet<PhysHandle>,
 }
 
 impl State {
@@ -415,6 +419,18 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+        let call = DriverCall::CopyDevice;
+        let mut s = self.lock();
+        Self::check(&mut s, call)?;
+        let (from, at) = Self::resolve(&s, call, src, len)?;
+        let (to, to_at) = Self::resolve(&s, call, dst, len)?;
+        let bytes = s.physical[&from][at..at + len as usize].to_vec();
+        s.physical.get_mut(&to).expect("resolved")[to_at..to_at + len as usize]
+            .copy_from_slice(&bytes);
+        Ok(())
+    }
+
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
         let call = DriverCall::CopyFromHost;
         let mut s = self.lock();
@@ -531,7 +547,7 @@ impl VmmDriver for FakeDriver {
         if s.no_export {
             return Ok(None);
         }
-        if !s.physical.contains_key(&handle) {
+        if !s.physical.contains_key(&handle) || s.imported.contains(&handle) {
             return Err(invalid(call));
         }
         let fd = nix::sys::memfd::memfd_create(
@@ -554,7 +570,9 @@ impl VmmDriver for FakeDriver {
         let handle = PhysHandle(s.next_handle);
         s.next_handle += 1;
         s.physical.insert(handle, bytes);
-        s.exports.insert(id, handle);
+        // One import per export (what the hook does): the fd is spent.
+        s.exports.remove(&id);
+        s.imported.insert(handle);
         Ok(handle)
     }
 

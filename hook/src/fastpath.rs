@@ -1002,7 +1002,25 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             report.allocations += 1;
             report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
         }
+        drop(kept);
+        self.make_exportable(held);
         Ok(report)
+    }
+
+    /// Imported memory cannot be exported again: each allocation at `vas` that cannot is
+    /// moved onto new memory (a device-to-device copy, HBM-fast), so the next checkpoint
+    /// keeps it too. One that cannot move (no room for the copy) stays as it is: the next
+    /// keep falls back to the copy-in.
+    fn make_exportable(&self, vas: &[DevicePtr]) {
+        for &va in vas {
+            if let Ok(Some(_fd)) = self.allocator.export(va) {
+                continue;
+            }
+            if let Err(e) = self.allocator.renew(va) {
+                tracing::info!(va, error = %e, "reattached memory stays unexportable; the next \
+                    leave-running checkpoint copies it back in");
+            }
+        }
     }
 
     /// Re-maps `released` and refills them from the last copy-out image.

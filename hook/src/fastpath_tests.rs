@@ -1328,3 +1328,42 @@ fn a_failed_export_keeps_nothing_and_releases_as_usual() {
     let (report, _) = s.fast.release(true).unwrap();
     assert!(report.held.is_empty());
 }
+
+#[test]
+fn reattached_memory_is_kept_again_at_the_next_checkpoint() {
+    let s = setup();
+    let expected = populate(&s);
+    for round in 0..3 {
+        let _image = frozen_and_copied(&s);
+        let (report, fds) = s.fast.release(true).unwrap();
+        assert_eq!(report.held.len(), expected.len(), "round {round}");
+        s.fast.reattach(&report.held, fds).unwrap();
+        s.fast.thaw().unwrap();
+        for (va, data) in &expected {
+            assert_eq!(
+                &read(&s.driver, *va, data.len() as u64),
+                data,
+                "round {round}"
+            );
+        }
+    }
+    // No room for the device copy: the reattached memory stays, the next keep keeps
+    // nothing (and the copy-in path takes over).
+    let _image = frozen_and_copied(&s);
+    let (report, fds) = s.fast.release(true).unwrap();
+    s.driver.fail_next(DriverCall::Create);
+    s.driver.fail_nth(DriverCall::Create, 0);
+    s.fast.reattach(&report.held, fds).unwrap();
+    for (va, data) in &expected {
+        assert_eq!(&read(&s.driver, *va, data.len() as u64), data);
+    }
+    s.fast.thaw().unwrap();
+    let _image = frozen_and_copied(&s);
+    let (report, _) = s.fast.release(true).unwrap();
+    assert!(report.held.is_empty());
+    assert_eq!(
+        s.driver.reservations(),
+        expected.len(),
+        "no temporary address left"
+    );
+}

@@ -163,6 +163,13 @@ static int workload(int sock, int n) {
   }
   if (check(cuMemSetAccess(va, n * GIB, &acc, 1), "set access")) return 1;
   double t_mapped = now_ms();
+  // Can memory imported from an fd be exported again (for the next keep)?
+  int again = -1;
+  CUresult rc = cuMemExportToShareableHandle(&again, h[0], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  const char *rc_name = "?";
+  cuGetErrorName(rc, &rc_name);
+  printf("child: export of an imported handle: %s\n", rc_name);
+  if (rc == CUDA_SUCCESS) close(again);
   // Check: the random block and the word pattern at the end of each GiB.
   unsigned char *got_b = (unsigned char *)malloc(SAMPLE);
   uint32_t *tail = (uint32_t *)malloc(SAMPLE);

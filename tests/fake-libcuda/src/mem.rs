@@ -41,6 +41,9 @@ thread_local! {
 struct Tables {
     /// memfds of `cuMemCreate`, by handle.
     physical: BTreeMap<u64, (c_int, usize)>,
+    /// Handles made by `cuMemImportFromShareableHandle`: not exported again, as with the
+    /// real driver on the H200.
+    imported: std::collections::BTreeSet<u64>,
     next_handle: u64,
     /// Plain mappings (`cuMemAlloc_v2`, managed, host, pool): address → size.
     plain: BTreeMap<usize, usize>,
@@ -287,7 +290,10 @@ pub unsafe extern "C" fn cuMemCreate(
 #[no_mangle]
 pub extern "C" fn cuMemRelease(handle: c_ulonglong) -> CuResult {
     need_ctx!("cuMemRelease");
-    match with_tables(|t| t.physical.remove(&handle)) {
+    match with_tables(|t| {
+        t.imported.remove(&handle);
+        t.physical.remove(&handle)
+    }) {
         Some((fd, _)) => {
             // SAFETY: our memfd; mappings of it stay valid after close, like the driver's
             // deferred release.
@@ -311,7 +317,13 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
     _flags: c_ulonglong,
 ) -> CuResult {
     need_ctx!("cuMemExportToShareableHandle");
-    let Some((fd, _)) = with_tables(|t| t.physical.get(&handle).copied()) else {
+    let found = with_tables(|t| {
+        t.physical
+            .get(&handle)
+            .copied()
+            .filter(|_| !t.imported.contains(&handle))
+    });
+    let Some((fd, _)) = found else {
         return log(
             format_args!("cuMemExportToShareableHandle {handle}"),
             INVALID_VALUE,
@@ -368,6 +380,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     let h = with_tables(|t| {
         t.next_handle += 1;
         t.physical.insert(t.next_handle, (dup, st.st_size as usize));
+        t.imported.insert(t.next_handle);
         t.next_handle
     });
     *handle = h;
