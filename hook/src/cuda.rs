@@ -575,7 +575,11 @@ impl VmmDriver for CudaDriver {
             });
         };
         self.bind();
-        check(call, unsafe { dtod(dst, src, csize(call, len)?) })
+        check(call, unsafe { dtod(dst, src, csize(call, len)?) })?;
+        // cuMemcpyDtoD returns before a device-to-device copy is done: wait, or the
+        // caller unmaps memory the copy still reads (an illegal address, seen on the H200,
+        // and the context is lost).
+        check(call, unsafe { (self.sync)() })
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {

@@ -149,8 +149,9 @@ pub trait VmmDriver: Send + Sync {
         let _ = handle;
         Ok(None)
     }
-    /// Copies `len` bytes from device address `src` to device address `dst`
-    /// (`cuMemcpyDtoD_v2`, synchronous).
+    /// Copies `len` bytes from device address `src` to device address `dst` and returns
+    /// when the copy is done (`cuMemcpyDtoD_v2`, which alone does not wait, then
+    /// `cuCtxSynchronize`).
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
         let _ = (dst, src, len);
         Err(DriverError {
