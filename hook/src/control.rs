@@ -394,6 +394,32 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
     }
 }
 
+/// This process's open fds and its `RLIMIT_NOFILE`: whether kept memory's fds fit.
+#[derive(Debug, Clone, Copy)]
+pub struct FdRoom {
+    pub open: u64,
+    pub soft: u64,
+    pub hard: u64,
+}
+
+impl FdRoom {
+    /// Headroom left for the process's own fds while memory fds are held.
+    pub const SPARE: u64 = 64;
+
+    pub fn now() -> io::Result<FdRoom> {
+        let open = std::fs::read_dir("/proc/self/fd")?.count() as u64;
+        let (soft, hard) =
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+                .map_err(io::Error::from)?;
+        Ok(FdRoom { open, soft, hard })
+    }
+
+    /// Whether `n` more fds fit under the soft limit, with [`FdRoom::SPARE`] to spare.
+    pub fn fits(&self, n: usize) -> bool {
+        self.open + n as u64 + Self::SPARE <= self.soft
+    }
+}
+
 /// Sends `fds` in batches of at most [`FD_BATCH`], each with one byte `F`.
 pub fn send_fd_batches(stream: &UnixStream, fds: &[impl AsFd]) -> Result<(), FrameError> {
     use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};

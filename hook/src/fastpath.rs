@@ -1504,24 +1504,21 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
 /// Makes room for `n` more open fds in this process (the exported memory's, until sent
 /// to the shim): raises the soft `RLIMIT_NOFILE` towards the hard one when needed.
 fn make_fd_room(n: usize) -> Result<(), String> {
-    use nix::sys::resource::{getrlimit, setrlimit, Resource};
-    // Headroom for the application's own fds meanwhile and the socket's.
-    const SPARE: u64 = 64;
-    let open = std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count() as u64)
-        .map_err(|e| format!("cannot count open fds: {e}"))?;
-    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(|e| format!("getrlimit: {e}"))?;
-    let need = open + n as u64 + SPARE;
-    if need <= soft {
+    use crate::control::FdRoom;
+    let room = FdRoom::now().map_err(|e| format!("cannot read the fd limit: {e}"))?;
+    let need = room.open + n as u64 + FdRoom::SPARE;
+    if need <= room.soft {
         return Ok(());
     }
-    if need > hard {
+    if need > room.hard {
         return Err(format!(
-            "{n} allocations need {need} open fds, above the fd limit ({hard}); raise the \
-             container's RLIMIT_NOFILE"
+            "{n} allocations need {need} open fds, above the fd limit ({}); raise the \
+             container's RLIMIT_NOFILE",
+            room.hard
         ));
     }
-    setrlimit(Resource::RLIMIT_NOFILE, need, hard).map_err(|e| format!("setrlimit: {e}"))
+    nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, need, room.hard)
+        .map_err(|e| format!("setrlimit: {e}"))
 }
 
 #[cfg(test)]

@@ -254,6 +254,30 @@ impl Conn {
     }
 }
 
+/// Whether this shim can hold `n` more fds (kept memory) under its soft `RLIMIT_NOFILE`;
+/// when not, the memory is not kept (the copy-in gives it back). The limit is not raised:
+/// the containers this shim starts would inherit it.
+fn fds_fit(pid: u32, n: usize) -> bool {
+    match gpucr_hook::control::FdRoom::now() {
+        Ok(room) if room.fits(n) => true,
+        Ok(room) => {
+            tracing::warn!(
+                pid,
+                allocations = n,
+                open = room.open,
+                soft_limit = room.soft,
+                "device memory not kept on the GPU: the shim's fd limit is too low (raise \
+                 containerd's LimitNOFILE); it is copied back in instead"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!(pid, error = %e, "device memory not kept: cannot read the fd limit");
+            false
+        }
+    }
+}
+
 fn ms_since(t: Instant) -> u64 {
     t.elapsed().as_millis() as u64
 }
@@ -499,7 +523,7 @@ impl HookCheckpoint {
             moved.record.copy_out_ms = ms_since(t);
             (moved.record.copy_out_bytes, moved.record.allocations) = (bytes, allocations);
             let t = Instant::now();
-            let (held, fds) = conn.release(self.keep)?;
+            let (held, fds) = conn.release(self.keep && fds_fit(p.host_pid, allocations))?;
             moved.record.release_ms = ms_since(t);
             moved.record.kept = held.len();
             (moved.held, moved.fds) = (held, fds);
