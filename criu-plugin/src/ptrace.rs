@@ -99,7 +99,14 @@ impl Resumed {
     }
 }
 
-/// Waits until `tid` reports a ptrace stop.
+/// Waits until `tid` reports the stop of our `PTRACE_INTERRUPT`.
+///
+/// A signal can come first (a signal-delivery-stop, e.g. SIGCHLD from a child that exits
+/// meanwhile): it is put back as pending (restarting with it while the mask blocks it
+/// requeues it, so the process loses nothing and CRIU dumps it as pending), and we wait
+/// on for the interrupt's stop. Returning at the signal's stop instead left the
+/// interrupt's stop queued, and CRIU's parasite then failed on an "unexpected task
+/// interruption".
 fn wait_stopped(tid: Pid) -> io::Result<()> {
     loop {
         let mut status = 0;
@@ -113,17 +120,26 @@ fn wait_stopped(tid: Pid) -> io::Result<()> {
             return Err(e);
         }
         if libc::WIFSTOPPED(status) {
-            if status >> 16 != libc::PTRACE_EVENT_STOP {
-                // Only SIGKILL/SIGSTOP get through the mask; the thread is stopped either way.
-                crate::criu::log(
-                    crate::criu::Level::Warn,
-                    &format!(
-                        "restore thread {tid} stopped by signal {} instead of the interrupt",
-                        libc::WSTOPSIG(status)
-                    ),
-                );
+            let sig = libc::WSTOPSIG(status);
+            if status >> 16 == libc::PTRACE_EVENT_STOP || sig == libc::SIGSTOP {
+                return Ok(());
             }
-            return Ok(());
+            crate::criu::log(
+                crate::criu::Level::Warn,
+                &format!(
+                    "restore thread {tid} stopped by signal {sig} before the interrupt; requeued"
+                ),
+            );
+            // SAFETY: restarting a thread we trace from its signal-delivery-stop; our
+            // interrupt is still pending and stops it right after.
+            unsafe {
+                check(
+                    "PTRACE_CONT",
+                    tid,
+                    libc::ptrace(libc::PTRACE_CONT, tid, 0, sig as libc::c_long),
+                )?;
+            }
+            continue;
         }
         if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
             return Err(io::Error::other(format!(

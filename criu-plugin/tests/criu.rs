@@ -51,7 +51,7 @@ struct Run {
 }
 
 impl Run {
-    /// Starts `sh loop.sh` in its own session; it counts into `count`.
+    /// Starts `bash loop.sh` in its own session; it counts into `count`.
     fn start() -> Run {
         // Orphans (the loop's `sleep` after CRIU kills the tree) come to us to be
         // reaped; CRIU needs their pids free again for restore.
@@ -67,12 +67,21 @@ impl Run {
         )
         .unwrap();
         let count = dir.path().join("count");
+        // No child processes: the fake's "restore thread" is the shell's main thread, which
+        // the plugin lets run during the dump; a shell waiting for a `sleep` would reap it
+        // then and change the tree CRIU seized. bash's `read -t` on a FIFO nobody writes
+        // waits without forking.
+        let fifo = dir.path().join("fifo");
+        let path = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
         let script = format!(
-            "i=0\nwhile :; do i=$((i+1)); echo $i > {}; sleep 0.1; done\n",
+            "i=0\nexec 3<>{}\nwhile :; do i=$((i+1)); echo $i > {}; read -t 0.1 -u 3 x; done\n",
+            fifo.display(),
             count.display()
         );
         std::fs::write(dir.path().join("loop.sh"), script).unwrap();
-        let mut cmd = Command::new("sh");
+        let mut cmd = Command::new("bash");
         cmd.arg(dir.path().join("loop.sh"))
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
