@@ -403,8 +403,10 @@ impl<D: VmmDriver> Allocator<D> {
             return Err(e.into());
         }
         if let Err(e) = self.map_accessible(va, size, new) {
-            // `new` is gone; the old memory (still held) goes back.
-            self.map_accessible(va, size, old)?;
+            // `new` is gone; the old memory (still held: not through `map_accessible`,
+            // which would release it on a failure) goes back at its address.
+            self.driver.map(va, size, old)?;
+            self.driver.set_access(va, size)?;
             return Err(e);
         }
         alloc.handle = Some(new);

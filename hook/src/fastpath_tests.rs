@@ -1367,3 +1367,19 @@ fn reattached_memory_is_kept_again_at_the_next_checkpoint() {
         "no temporary address left"
     );
 }
+
+#[test]
+fn a_renewal_that_cannot_map_the_new_memory_puts_the_old_back() {
+    let s = setup();
+    let expected = populate(&s);
+    let _image = frozen_and_copied(&s);
+    let (report, fds) = s.fast.release(true).unwrap();
+    // Reattach maps each allocation once; the renewal maps the copy twice (temporary
+    // address, then the allocation's): fail the first renewal's second map.
+    s.driver.fail_nth(DriverCall::Map, report.held.len() + 1);
+    s.fast.reattach(&report.held, fds).unwrap();
+    for (va, data) in &expected {
+        assert_eq!(&read(&s.driver, *va, data.len() as u64), data);
+    }
+    s.fast.thaw().unwrap();
+}
