@@ -298,13 +298,7 @@ impl<D: VmmDriver> Allocator<D> {
     pub fn release(&self, va: DevicePtr) -> Result<(), AllocError> {
         let mut table = self.table();
         let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
-        let (AllocState::Mapped, Some(handle)) = (alloc.state, alloc.handle) else {
-            return Err(AllocError::WrongState {
-                va,
-                state: alloc.state,
-                expected: AllocState::Mapped,
-            });
-        };
+        let handle = mapped_handle(alloc)?;
         self.driver.unmap(va, alloc.mapped_size)?;
         // From here the memory is gone for the application: record it even if the
         // release fails (the handle is then leaked, not reused).
@@ -317,6 +311,16 @@ impl<D: VmmDriver> Allocator<D> {
     /// Creates new physical memory for the released allocation at `va` and maps it at
     /// the same address.
     pub fn remap(&self, va: DevicePtr) -> Result<(), AllocError> {
+        self.back_released(va, |driver, size| driver.create(size))
+    }
+
+    /// Maps the physical memory `handle` makes (given the size) accessible at the
+    /// released allocation's `va`; on failure nothing changes.
+    fn back_released(
+        &self,
+        va: DevicePtr,
+        handle: impl FnOnce(&D, u64) -> Result<PhysHandle, DriverError>,
+    ) -> Result<(), AllocError> {
         let mut table = self.table();
         let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
         if alloc.state != AllocState::Released {
@@ -326,8 +330,9 @@ impl<D: VmmDriver> Allocator<D> {
                 expected: AllocState::Released,
             });
         }
-        let handle = self.back(va, alloc.mapped_size)?;
-        alloc.handle = Some(handle);
+        let h = handle(&self.driver, alloc.mapped_size)?;
+        self.map_accessible(va, alloc.mapped_size, h)?;
+        alloc.handle = Some(h);
         alloc.state = AllocState::Mapped;
         Ok(())
     }
@@ -337,33 +342,14 @@ impl<D: VmmDriver> Allocator<D> {
     pub fn export(&self, va: DevicePtr) -> Result<Option<OwnedFd>, AllocError> {
         let table = self.table();
         let alloc = table.get(va).ok_or(AllocError::NotFound { va })?;
-        let (AllocState::Mapped, Some(handle)) = (alloc.state, alloc.handle) else {
-            return Err(AllocError::WrongState {
-                va,
-                state: alloc.state,
-                expected: AllocState::Mapped,
-            });
-        };
+        let handle = mapped_handle(alloc)?;
         Ok(self.driver.export(handle)?)
     }
 
     /// Maps the memory exported as `fd` (by [`Allocator::export`] before the release)
     /// back at `va`, the released allocation's own address: its contents, no copy.
     pub fn reattach(&self, va: DevicePtr, fd: BorrowedFd<'_>) -> Result<(), AllocError> {
-        let mut table = self.table();
-        let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
-        if alloc.state != AllocState::Released {
-            return Err(AllocError::WrongState {
-                va,
-                state: alloc.state,
-                expected: AllocState::Released,
-            });
-        }
-        let handle = self.driver.import(fd)?;
-        self.map_accessible(va, alloc.mapped_size, handle)?;
-        alloc.handle = Some(handle);
-        alloc.state = AllocState::Mapped;
-        Ok(())
+        self.back_released(va, |driver, _| driver.import(fd))
     }
 
     /// Moves the mapped allocation at `va` onto new physical memory of its own, with a
@@ -373,13 +359,7 @@ impl<D: VmmDriver> Allocator<D> {
     pub fn renew(&self, va: DevicePtr) -> Result<(), AllocError> {
         let mut table = self.table();
         let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
-        let (AllocState::Mapped, Some(old)) = (alloc.state, alloc.handle) else {
-            return Err(AllocError::WrongState {
-                va,
-                state: alloc.state,
-                expected: AllocState::Mapped,
-            });
-        };
+        let old = mapped_handle(alloc)?;
         let size = alloc.mapped_size;
         // The copy: new memory at a temporary address.
         let tmp = self.driver.reserve(size, None)?;
@@ -439,6 +419,18 @@ impl<D: VmmDriver> Allocator<D> {
     /// Everything the hook cannot handle.
     pub fn unsupported(&self) -> Vec<Unsupported> {
         self.table().unsupported().to_vec()
+    }
+}
+
+/// The physical memory of a mapped allocation; `WrongState` otherwise.
+fn mapped_handle(alloc: &Allocation) -> Result<PhysHandle, AllocError> {
+    match (alloc.state, alloc.handle) {
+        (AllocState::Mapped, Some(handle)) => Ok(handle),
+        (state, _) => Err(AllocError::WrongState {
+            va: alloc.va,
+            state,
+            expected: AllocState::Mapped,
+        }),
     }
 }
 
