@@ -26,7 +26,9 @@ use gpu_state::image::gpuhash::{hashable, ChunkSums, LANES, SEGMENT_WORDS};
 use libloading::Library;
 use thiserror::Error;
 
-use crate::driver::{DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver};
+use crate::driver::{
+    DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver, CUDA_ERROR_NOT_SUPPORTED,
+};
 
 type CuResult = c_int;
 
@@ -134,8 +136,6 @@ type Stream = *mut c_void;
 const STREAM_NON_BLOCKING: c_uint = 1;
 /// Most copy streams one driver makes.
 pub const MAX_STREAMS: usize = 64;
-/// `CUDA_ERROR_NOT_SUPPORTED`.
-const CUDA_ERROR_NOT_SUPPORTED: c_int = 801;
 
 /// Loading errors.
 #[derive(Debug, Error)]
@@ -257,12 +257,7 @@ unsafe fn want<T: Copy>(resolve: Resolve<'_>, name: &'static str) -> Option<T> {
 impl CudaDriver {
     fn register_with(&self, ptr: *mut u8, len: usize, flags: c_uint) -> Result<(), DriverError> {
         let call = DriverCall::RegisterHost;
-        let Some(f) = self.register_fns else {
-            return Err(DriverError {
-                call,
-                code: CUDA_ERROR_NOT_SUPPORTED,
-            });
-        };
+        let f = supported(call, self.register_fns)?;
         self.bind();
         check(call, unsafe { (f.register)(ptr.cast(), len, flags) })
     }
@@ -456,6 +451,15 @@ impl CudaDriver {
     }
 }
 
+/// Optional driver functions `f`, or `CUDA_ERROR_NOT_SUPPORTED` for `call` when this
+/// libcuda lacks them.
+fn supported<T>(call: DriverCall, f: Option<T>) -> Result<T, DriverError> {
+    f.ok_or(DriverError {
+        call,
+        code: CUDA_ERROR_NOT_SUPPORTED,
+    })
+}
+
 fn check(call: DriverCall, rc: CuResult) -> Result<(), DriverError> {
     if rc == 0 {
         Ok(())
@@ -568,12 +572,7 @@ impl VmmDriver for CudaDriver {
 
     fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
         let call = DriverCall::CopyDevice;
-        let Some(dtod) = self.dtod else {
-            return Err(DriverError {
-                call,
-                code: CUDA_ERROR_NOT_SUPPORTED,
-            });
-        };
+        let dtod = supported(call, self.dtod)?;
         self.bind();
         check(call, unsafe { dtod(dst, src, csize(call, len)?) })?;
         // cuMemcpyDtoD returns before a device-to-device copy is done: wait, or the
@@ -594,12 +593,7 @@ impl VmmDriver for CudaDriver {
 
     fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {
         let call = DriverCall::UnregisterHost;
-        let Some(f) = self.register_fns else {
-            return Err(DriverError {
-                call,
-                code: CUDA_ERROR_NOT_SUPPORTED,
-            });
-        };
+        let f = supported(call, self.register_fns)?;
         self.bind();
         check(call, unsafe { (f.unregister)(ptr.cast()) })
     }
@@ -780,12 +774,7 @@ impl VmmDriver for CudaDriver {
 
     fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
         let call = DriverCall::Import;
-        let Some(f) = self.share_fns else {
-            return Err(DriverError {
-                call,
-                code: CUDA_ERROR_NOT_SUPPORTED,
-            });
-        };
+        let f = supported(call, self.share_fns)?;
         self.bind();
         let mut handle: c_ulonglong = 0;
         // The POSIX fd is passed as the pointer-sized value itself.
