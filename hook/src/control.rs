@@ -446,7 +446,6 @@ pub fn send_fd_batches(stream: &UnixStream, fds: &[impl AsFd]) -> Result<(), Fra
 /// Receives `n` fds sent by [`send_fd_batches`]. Reads every batch even when one came
 /// short (the fd limit), so the stream stays at a frame boundary; then fails.
 pub fn recv_fd_batches(stream: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, FrameError> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     if n > MAX_HELD {
         return Err(
             io::Error::other(format!("{n} memory fds announced, at most {MAX_HELD}")).into(),
@@ -456,32 +455,11 @@ pub fn recv_fd_batches(stream: &UnixStream, n: usize) -> Result<Vec<OwnedFd>, Fr
     let mut short = false;
     for _ in 0..n.div_ceil(FD_BATCH) {
         let mut byte = [0u8; 1];
-        let mut space = nix::cmsg_space!([RawFd; FD_BATCH]);
-        let mut iov = [IoSliceMut::new(&mut byte)];
-        let msg = loop {
-            match recvmsg::<()>(
-                stream.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            ) {
-                Err(nix::errno::Errno::EINTR) => continue,
-                other => break other.map_err(io::Error::from)?,
-            }
-        };
-        if msg.bytes == 0 {
+        let (bytes, cut) = recv_some(stream, &mut byte, FD_BATCH, &mut fds)?;
+        if bytes == 0 {
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
-        short |= msg.flags.contains(MsgFlags::MSG_CTRUNC);
-        for cmsg in msg.cmsgs().map_err(io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(raw) = cmsg {
-                // SAFETY: the kernel just installed these fds in this process; we own them.
-                fds.extend(
-                    raw.into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
-        }
+        short |= cut;
     }
     if short || fds.len() != n {
         return Err(io::Error::other(format!(
@@ -520,46 +498,61 @@ fn recv_exact(
     buf: &mut [u8],
     fds: &mut Vec<OwnedFd>,
 ) -> Result<bool, FrameError> {
-    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut filled = 0;
     while filled < buf.len() {
-        let mut space = nix::cmsg_space!([RawFd; MAX_FDS + 1]);
-        let mut iov = [IoSliceMut::new(&mut buf[filled..])];
-        let msg = match recvmsg::<()>(
-            stream.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
-            Ok(msg) => msg,
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(io::Error::from(e).into()),
-        };
-        let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
-        for cmsg in msg.cmsgs().map_err(io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(raw) = cmsg {
-                // SAFETY: the kernel just installed these fds in this process; we own them.
-                fds.extend(
-                    raw.into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
-        }
+        let (bytes, truncated) = recv_some(stream, &mut buf[filled..], MAX_FDS + 1, fds)?;
         if truncated {
             return Err(io::Error::other(format!(
                 "more fds than the {MAX_FDS} a request may carry"
             ))
             .into());
         }
-        if msg.bytes == 0 {
+        if bytes == 0 {
             if filled == 0 {
                 return Ok(false);
             }
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
-        filled += msg.bytes;
+        filled += bytes;
     }
     Ok(true)
+}
+
+/// One `recvmsg` into `buf` (retried on EINTR); the fds that came with it (room for
+/// `max_fds`, close-on-exec) are appended to `fds`. Returns the bytes read and whether
+/// fds were cut off (more came than there was room for: the kernel closed the rest).
+fn recv_some(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    max_fds: usize,
+    fds: &mut Vec<OwnedFd>,
+) -> Result<(usize, bool), FrameError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let room = (max_fds * std::mem::size_of::<RawFd>()) as u32;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let mut space = vec![0u8; unsafe { nix::libc::CMSG_SPACE(room) } as usize];
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = loop {
+        match recvmsg::<()>(
+            stream.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other.map_err(io::Error::from)?,
+        }
+    };
+    for cmsg in msg.cmsgs().map_err(io::Error::from)? {
+        if let ControlMessageOwned::ScmRights(raw) = cmsg {
+            // SAFETY: the kernel just installed these fds in this process; we own them.
+            fds.extend(
+                raw.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    Ok((msg.bytes, msg.flags.contains(MsgFlags::MSG_CTRUNC)))
 }
 
 /// A client of the control socket (the shim's side; also used by tests).
