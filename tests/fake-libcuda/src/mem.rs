@@ -50,6 +50,18 @@ struct Tables {
     next_stream: usize,
 }
 
+impl Tables {
+    /// A new physical-memory handle for the memfd `fd` of `size` bytes.
+    fn add_physical(&mut self, fd: c_int, size: usize, imported: bool) -> u64 {
+        self.next_handle += 1;
+        self.physical.insert(self.next_handle, (fd, size));
+        if imported {
+            self.imported.insert(self.next_handle);
+        }
+        self.next_handle
+    }
+}
+
 static TABLES: Mutex<Option<Tables>> = Mutex::new(None);
 
 fn with_tables<T>(f: impl FnOnce(&mut Tables) -> T) -> T {
@@ -278,11 +290,7 @@ pub unsafe extern "C" fn cuMemCreate(
         }
         return log(format_args!("cuMemCreate {size}"), OUT_OF_MEMORY);
     }
-    let h = with_tables(|t| {
-        t.next_handle += 1;
-        t.physical.insert(t.next_handle, (fd, size));
-        t.next_handle
-    });
+    let h = with_tables(|t| t.add_physical(fd, size, false));
     *handle = h;
     log(format_args!("cuMemCreate {size} handle={h}"), SUCCESS)
 }
@@ -323,19 +331,13 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
             .copied()
             .filter(|_| !t.imported.contains(&handle))
     });
-    let Some((fd, _)) = found else {
+    // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only.
+    let Some((fd, _)) = found.filter(|_| !out.is_null() && kind == 1) else {
         return log(
             format_args!("cuMemExportToShareableHandle {handle}"),
             INVALID_VALUE,
         );
     };
-    // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR only.
-    if out.is_null() || kind != 1 {
-        return log(
-            format_args!("cuMemExportToShareableHandle {handle}"),
-            INVALID_VALUE,
-        );
-    }
     let dup = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0);
     if dup < 0 {
         return log(
@@ -377,12 +379,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
             OUT_OF_MEMORY,
         );
     }
-    let h = with_tables(|t| {
-        t.next_handle += 1;
-        t.physical.insert(t.next_handle, (dup, st.st_size as usize));
-        t.imported.insert(t.next_handle);
-        t.next_handle
-    });
+    let h = with_tables(|t| t.add_physical(dup, st.st_size as usize, true));
     *handle = h;
     log(
         format_args!("cuMemImportFromShareableHandle fd={fd} handle={h}"),
