@@ -24,8 +24,8 @@ use thiserror::Error;
 use crate::driver::DevicePtr;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, Verb, FD_BATCH,
-    MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, SnapshotReport,
+    Verb, FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -43,6 +43,17 @@ pub trait Engine: Send {
     fn copy_in(&self, dir: &Path) -> Result<CopyInReport, Self::Error>;
     fn thaw(&self) -> Result<(), Self::Error>;
     fn status(&self, state: CheckpointState) -> HookStatus;
+    /// Copies every allocation into a snapshot on the device, then releases and keeps
+    /// it all as `release(true)` does, the snapshot's fd last. An error changes nothing.
+    fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), Self::Error>;
+    /// Writes the snapshot into a new image, then frees it.
+    fn write_snapshot(
+        &self,
+        dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<CopyOutReport, Self::Error>;
+    /// Frees the snapshot without writing it.
+    fn drop_snapshot(&self) -> Result<(), Self::Error>;
 }
 
 /// Control errors.
@@ -65,7 +76,8 @@ pub enum ControlError {
 impl CheckpointState {
     /// The state after `verb`. `Thaw` is legal after Freeze and CopyOut too (a checkpoint
     /// given up before anything was released) but not after Release or Remap, where the
-    /// device memory is not back yet.
+    /// device memory is not back yet. A snapshot is written or dropped before the next
+    /// checkpoint can begin.
     pub fn on(self, verb: Verb) -> Result<CheckpointState, ControlError> {
         use CheckpointState as S;
         match (self, verb) {
@@ -77,6 +89,12 @@ impl CheckpointState {
             (S::Released, Verb::Reattach) => Ok(S::Reattached),
             (S::Remapped, Verb::CopyIn) => Ok(S::CopiedIn),
             (S::Frozen | S::CopiedOut | S::CopiedIn | S::Reattached, Verb::Thaw) => Ok(S::Running),
+            (S::Frozen, Verb::Snapshot) => Ok(S::Snapshotted),
+            (S::Snapshotted, Verb::Reattach) => Ok(S::SnapshotReattached),
+            // A process restored from a snapshot checkpoint: its image is complete.
+            (S::Snapshotted, Verb::Remap) => Ok(S::Remapped),
+            (S::SnapshotReattached, Verb::Thaw) => Ok(S::WritePending),
+            (S::WritePending, Verb::WriteSnapshot | Verb::DropSnapshot) => Ok(S::Running),
             (state, verb) => Err(ControlError::IllegalInState { verb, state }),
         }
     }
@@ -190,7 +208,15 @@ impl<E: Engine> Controller<E> {
                 let (report, fds) = e.release(*keep)?;
                 return Ok((Outcome::Released(report), fds));
             }
+            Request::Snapshot => {
+                let (report, fds) = e.snapshot()?;
+                return Ok((Outcome::Snapshotted(report), fds));
+            }
             Request::Reattach { held } => Outcome::Reattached(e.reattach(held, fds)?),
+            Request::WriteSnapshot { image_dir, parent } => {
+                Outcome::SnapshotWritten(e.write_snapshot(image_dir, parent.as_deref())?)
+            }
+            Request::DropSnapshot => e.drop_snapshot().map(|()| Outcome::SnapshotDropped)?,
             Request::Freeze => e.freeze().map(|()| Outcome::Frozen)?,
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
@@ -235,29 +261,33 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
         return Err(bad(format!("{} fds sent, at most {MAX_FDS}", fds.len())));
     }
     match (req, fds) {
-        (Request::CopyOut { image_dir, parent }, [dir, rest @ ..]) => {
+        (
+            Request::CopyOut { image_dir, parent } | Request::WriteSnapshot { image_dir, parent },
+            [dir, rest @ ..],
+        ) => {
             let parent = match (parent, rest) {
                 (None, []) => None,
                 (Some(p), [pfd]) => Some(fd_path(pfd, p, "parent")?),
                 (Some(p), []) if p.is_absolute() => Some(p.clone()),
                 _ => {
-                    return Err(bad(
-                        "CopyOut with fds: send the parent's fd as the second fd, \
-                         with a relative parent path"
-                            .into(),
-                    ))
+                    return Err(bad(format!(
+                        "{:?} with fds: send the parent's fd as the second fd, \
+                         with a relative parent path",
+                        req.verb()
+                    )))
                 }
             };
-            Ok(Request::CopyOut {
-                image_dir: fd_path(dir, image_dir, "image_dir")?,
-                parent,
+            let image_dir = fd_path(dir, image_dir, "image_dir")?;
+            Ok(match req {
+                Request::CopyOut { .. } => Request::CopyOut { image_dir, parent },
+                _ => Request::WriteSnapshot { image_dir, parent },
             })
         }
         (Request::CopyIn { image_dir }, [dir]) => Ok(Request::CopyIn {
             image_dir: fd_path(dir, image_dir, "image_dir")?,
         }),
         (req, fds) => Err(bad(format!(
-            "{:?} does not take {} fd(s) (CopyOut takes 1 or 2, CopyIn 1)",
+            "{:?} does not take {} fd(s) (CopyOut and WriteSnapshot take 1 or 2, CopyIn 1)",
             req.verb(),
             fds.len()
         ))),
@@ -590,6 +620,13 @@ impl ControlClient {
         self.read_reply()
     }
 
+    /// Snapshot; the fds of the reply's `held` addresses (the kept memory, then the
+    /// snapshot) follow it, as after [`ControlClient::release`].
+    pub fn snapshot(&mut self) -> Result<(Reply, Vec<OwnedFd>), ControlError> {
+        write_frame(&mut self.stream, &Request::Snapshot, MAX_FRAME)?;
+        self.read_reply()
+    }
+
     /// Reattach: gives the memory fds of `held` back, in the order Release listed them.
     pub fn reattach(&mut self, held: &[u64], fds: &[impl AsFd]) -> Result<Reply, ControlError> {
         let req = Request::Reattach {
@@ -649,13 +686,38 @@ impl ControlClient {
         name: &Path,
         parent: Option<&File>,
     ) -> Result<Reply, ControlError> {
-        let mut fds = vec![dir.as_fd()];
-        fds.extend(parent.map(|p| p.as_fd()));
         let req = Request::CopyOut {
             image_dir: name.to_path_buf(),
             parent: parent.map(|_| PathBuf::from(".")),
         };
-        self.call_with_fds(&req, &fds)
+        self.call_with_dirs(&req, dir, parent)
+    }
+
+    /// WriteSnapshot into a new image `name` inside the open directory `dir`, as
+    /// [`ControlClient::copy_out_fd`] does.
+    pub fn write_snapshot_fd(
+        &mut self,
+        dir: &File,
+        name: &Path,
+        parent: Option<&File>,
+    ) -> Result<Reply, ControlError> {
+        let req = Request::WriteSnapshot {
+            image_dir: name.to_path_buf(),
+            parent: parent.map(|_| PathBuf::from(".")),
+        };
+        self.call_with_dirs(&req, dir, parent)
+    }
+
+    /// `req` with the image's directory `dir` and its parent image's as fds.
+    fn call_with_dirs(
+        &mut self,
+        req: &Request,
+        dir: &File,
+        parent: Option<&File>,
+    ) -> Result<Reply, ControlError> {
+        let mut fds = vec![dir.as_fd()];
+        fds.extend(parent.map(|p| p.as_fd()));
+        self.call_with_fds(req, &fds)
     }
 
     /// CopyIn from the image that the open directory `image` is.
@@ -680,16 +742,21 @@ impl ControlClient {
     fn read_reply(&mut self) -> Result<(Reply, Vec<OwnedFd>), ControlError> {
         let bytes = read_frame(&mut self.stream, MAX_REPLY_FRAME)?;
         let reply: Reply = serde_json::from_slice(&bytes).map_err(FrameError::from)?;
-        let fds = match &reply {
-            Reply::Ok(Outcome::Released(r)) if !r.held.is_empty() => {
+        let held = match &reply {
+            Reply::Ok(Outcome::Released(r)) => r.held.len(),
+            Reply::Ok(Outcome::Snapshotted(r)) => r.release.held.len(),
+            _ => 0,
+        };
+        let fds = match held {
+            0 => Vec::new(),
+            n => {
                 // The memory is released either way: without its fds it is freed, and the
                 // caller copies it back in from the image (Remap, CopyIn).
-                recv_fd_batches(&self.stream, r.held.len()).unwrap_or_else(|e| {
+                recv_fd_batches(&self.stream, n).unwrap_or_else(|e| {
                     tracing::warn!(error = %e, "the kept memory's fds did not arrive");
                     Vec::new()
                 })
             }
-            _ => Vec::new(),
         };
         Ok((reply, fds))
     }

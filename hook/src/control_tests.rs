@@ -28,6 +28,42 @@ impl fmt::Display for StubError {
 impl std::error::Error for StubError {}
 
 impl StubEngine {
+    /// `n` memory fds (memfds) and a report holding `n` addresses.
+    fn hand_out(&self, n: usize) -> (MemoryReport, Vec<OwnedFd>) {
+        let fds: Vec<OwnedFd> = (0..n).map(|_| memfd()).collect();
+        *self.kept.lock().unwrap() = fds
+            .iter()
+            .map(|f| crate::driver::fd_identity(f.as_fd()))
+            .collect();
+        let report = MemoryReport {
+            held: (1..=n as u64).map(|i| i << 21).collect(),
+            ..mem()
+        };
+        (report, fds)
+    }
+
+    fn copy_out_as(
+        &self,
+        verb: Verb,
+        dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<CopyOutReport, StubError> {
+        let mut paths = self.paths.lock().unwrap();
+        paths.push(dir.to_path_buf());
+        paths.extend(parent.map(Path::to_path_buf));
+        drop(paths);
+        self.step(verb).map(|()| CopyOutReport {
+            allocations: 1,
+            bytes: 10,
+            peak_staging_bytes: 0,
+            seconds: 0.0,
+            profile: Default::default(),
+            copied_bytes: 10,
+            zero_chunks: 0,
+            parent_chunks: 0,
+        })
+    }
+
     fn step(&self, verb: Verb) -> Result<(), StubError> {
         self.calls.lock().unwrap().push(verb);
         match *self.fail.lock().unwrap() {
@@ -55,34 +91,32 @@ impl Engine for StubEngine {
         self.step(Verb::Freeze)
     }
     fn copy_out(&self, dir: &Path, parent: Option<&Path>) -> Result<CopyOutReport, StubError> {
-        let mut paths = self.paths.lock().unwrap();
-        paths.push(dir.to_path_buf());
-        paths.extend(parent.map(Path::to_path_buf));
-        drop(paths);
-        self.step(Verb::CopyOut).map(|()| CopyOutReport {
-            allocations: 1,
-            bytes: 10,
-            peak_staging_bytes: 0,
-            seconds: 0.0,
-            profile: Default::default(),
-            copied_bytes: 10,
-            zero_chunks: 0,
-            parent_chunks: 0,
-        })
+        self.copy_out_as(Verb::CopyOut, dir, parent)
     }
     fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), StubError> {
         self.step(Verb::Release)?;
-        let n = if keep { self.keep } else { 0 };
-        let fds: Vec<OwnedFd> = (0..n).map(|_| memfd()).collect();
-        *self.kept.lock().unwrap() = fds
-            .iter()
-            .map(|f| crate::driver::fd_identity(f.as_fd()))
-            .collect();
-        let report = MemoryReport {
-            held: (1..=n as u64).map(|i| i << 21).collect(),
-            ..mem()
+        Ok(self.hand_out(if keep { self.keep } else { 0 }))
+    }
+    fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), StubError> {
+        self.step(Verb::Snapshot)?;
+        // The allocations' memory, then the snapshot's.
+        let (release, fds) = self.hand_out(self.keep + 1);
+        let report = SnapshotReport {
+            release,
+            snapshot_bytes: 4096,
+            copy_seconds: 0.0,
         };
         Ok((report, fds))
+    }
+    fn write_snapshot(
+        &self,
+        dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<CopyOutReport, StubError> {
+        self.copy_out_as(Verb::WriteSnapshot, dir, parent)
+    }
+    fn drop_snapshot(&self) -> Result<(), StubError> {
+        self.step(Verb::DropSnapshot)
     }
     fn reattach(&self, held: &[DevicePtr], fds: Vec<OwnedFd>) -> Result<MemoryReport, StubError> {
         self.step(Verb::Reattach)?;
@@ -119,6 +153,7 @@ impl Engine for StubEngine {
             allocations: 0,
             bytes: 0,
             released: 0,
+            snapshot_bytes: 0,
             unsupported: Vec::new(),
         }
     }
@@ -139,10 +174,16 @@ fn request(verb: Verb) -> Request {
         },
         Verb::Thaw => Request::Thaw,
         Verb::Status => Request::Status,
+        Verb::Snapshot => Request::Snapshot,
+        Verb::WriteSnapshot => Request::WriteSnapshot {
+            image_dir: "/img".into(),
+            parent: None,
+        },
+        Verb::DropSnapshot => Request::DropSnapshot,
     }
 }
 
-const STATES: [CheckpointState; 7] = [
+const STATES: [CheckpointState; 10] = [
     CheckpointState::Running,
     CheckpointState::Frozen,
     CheckpointState::CopiedOut,
@@ -150,8 +191,11 @@ const STATES: [CheckpointState; 7] = [
     CheckpointState::Remapped,
     CheckpointState::CopiedIn,
     CheckpointState::Reattached,
+    CheckpointState::Snapshotted,
+    CheckpointState::SnapshotReattached,
+    CheckpointState::WritePending,
 ];
-const ALL_VERBS: [Verb; 8] = [
+const ALL_VERBS: [Verb; 11] = [
     Verb::Freeze,
     Verb::CopyOut,
     Verb::Release,
@@ -160,6 +204,9 @@ const ALL_VERBS: [Verb; 8] = [
     Verb::CopyIn,
     Verb::Thaw,
     Verb::Status,
+    Verb::Snapshot,
+    Verb::WriteSnapshot,
+    Verb::DropSnapshot,
 ];
 
 #[test]
@@ -176,6 +223,12 @@ fn transition_table_over_every_state_and_verb() {
         (S::CopiedIn, Verb::Thaw, S::Running),
         (S::Frozen, Verb::Thaw, S::Running),
         (S::CopiedOut, Verb::Thaw, S::Running),
+        (S::Frozen, Verb::Snapshot, S::Snapshotted),
+        (S::Snapshotted, Verb::Reattach, S::SnapshotReattached),
+        (S::Snapshotted, Verb::Remap, S::Remapped),
+        (S::SnapshotReattached, Verb::Thaw, S::WritePending),
+        (S::WritePending, Verb::WriteSnapshot, S::Running),
+        (S::WritePending, Verb::DropSnapshot, S::Running),
     ];
     for state in STATES {
         for verb in ALL_VERBS {

@@ -88,6 +88,7 @@ type FnAddressFree = unsafe extern "C" fn(DevicePtr, usize) -> CuResult;
 type FnDtoH = unsafe extern "C" fn(*mut c_void, DevicePtr, usize) -> CuResult;
 type FnHtoD = unsafe extern "C" fn(DevicePtr, *const c_void, usize) -> CuResult;
 type FnDtoD = unsafe extern "C" fn(DevicePtr, DevicePtr, usize) -> CuResult;
+type FnMemInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult;
 type FnSync = unsafe extern "C" fn() -> CuResult;
 /// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the memory.
 const CU_MEMHOSTREGISTER_READ_ONLY: c_uint = 0x08;
@@ -210,6 +211,7 @@ pub struct CudaDriver {
     dtoh: FnDtoH,
     htod: FnHtoD,
     dtod: Option<FnDtoD>,
+    mem_info: Option<FnMemInfo>,
     sync: FnSync,
     async_fns: Option<StreamFns>,
     register_fns: Option<RegisterFns>,
@@ -351,6 +353,7 @@ impl CudaDriver {
             dtoh: need(resolve, "cuMemcpyDtoH_v2")?,
             htod: need(resolve, "cuMemcpyHtoD_v2")?,
             dtod: want(resolve, "cuMemcpyDtoD_v2"),
+            mem_info: want(resolve, "cuMemGetInfo_v2"),
             sync: need(resolve, "cuCtxSynchronize")?,
             async_fns,
             register_fns,
@@ -579,6 +582,16 @@ impl VmmDriver for CudaDriver {
         // caller unmaps memory the copy still reads (an illegal address, seen on the H200,
         // and the context is lost).
         check(call, unsafe { (self.sync)() })
+    }
+
+    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+        let Some(f) = self.mem_info else {
+            return Ok(None);
+        };
+        self.bind();
+        let (mut free, mut total) = (0usize, 0usize);
+        check(DriverCall::MemInfo, unsafe { f(&mut free, &mut total) })?;
+        Ok(Some(free as u64))
     }
 
     fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {

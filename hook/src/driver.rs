@@ -43,6 +43,8 @@ pub enum DriverCall {
     Import,
     /// `cuMemcpyDtoD_v2`.
     CopyDevice,
+    /// `cuMemGetInfo_v2`.
+    MemInfo,
 }
 
 /// A failed driver call: which call and the driver's result code (`CUresult`).
@@ -158,6 +160,11 @@ pub trait VmmDriver: Send + Sync {
             call: DriverCall::CopyDevice,
             code: CUDA_ERROR_NOT_SUPPORTED,
         })
+    }
+    /// Bytes of device memory free now (`cuMemGetInfo_v2`); `None` when the driver
+    /// cannot say.
+    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+        Ok(None)
     }
     /// A handle to memory exported by [`export`](Self::export), possibly by an earlier
     /// life of this process (`cuMemImportFromShareableHandle`).

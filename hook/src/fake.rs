@@ -431,6 +431,12 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
+    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+        let mut s = self.lock();
+        Self::check(&mut s, DriverCall::MemInfo)?;
+        Ok(Some(self.capacity.saturating_sub(s.used())))
+    }
+
     fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
         let call = DriverCall::CopyFromHost;
         let mut s = self.lock();

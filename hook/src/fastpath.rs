@@ -31,7 +31,9 @@ use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HookStatus, MemoryReport,
+    SnapshotReport,
 };
+use crate::snapshot::{Snapshot, SnapshotError};
 
 /// Fast path errors.
 #[derive(Debug, Error)]
@@ -78,6 +80,12 @@ pub enum FastPathError {
     },
     #[error("Reattach: {0}; Remap and CopyIn instead")]
     NotKept(String),
+    #[error("no snapshot: {0}")]
+    NoSnapshot(&'static str),
+    #[error("device memory cannot be kept on the GPU: {0}")]
+    NotKeepable(String),
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
     #[error("the GPU check of the copied-in memory could not run (the hash kernel failed after the copy-in had begun); treat the restored memory as unchecked")]
     DeviceCheckUnavailable,
 }
@@ -114,6 +122,12 @@ pub struct FastPathOptions {
     /// and Reattach maps it back: a leave-running checkpoint without a copy-in. Needs
     /// memory made exportable (the preloaded hook asks the driver for it when on).
     pub keep: bool,
+    /// Snapshot answers (needs `keep`): a leave-running checkpoint copies the memory
+    /// device to device and is written after the thaw, while the workload runs.
+    pub snapshot: bool,
+    /// Bytes of device memory a snapshot must leave free (the workload may allocate
+    /// while it is written); with less room, Snapshot is refused.
+    pub snapshot_headroom: u64,
 }
 
 /// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
@@ -127,6 +141,8 @@ pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
 pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
 pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
 pub const ENV_KEEP: &str = "GPUCR_HOOK_KEEP";
+pub const ENV_SNAPSHOT: &str = "GPUCR_HOOK_SNAPSHOT";
+pub const ENV_SNAPSHOT_HEADROOM_MIB: &str = "GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB";
 
 /// Hook defaults: large chunks (fewer calls per GB), no compression (model weights
 /// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
@@ -135,6 +151,8 @@ const DEFAULT_STAGING_MIB: usize = 512;
 const DEFAULT_STREAMS: usize = 4;
 /// 2 GiB registered at a time: bounded pinning, few register calls per image.
 const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
+/// Free device memory a snapshot leaves the workload (for the seconds of the write).
+const DEFAULT_SNAPSHOT_HEADROOM_MIB: usize = 1024;
 
 /// A bad hook copy setting in the environment.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -154,7 +172,9 @@ impl FastPathOptions {
     /// `GPUCR_HOOK_DIRECT` (`0`; `1`: direct copy-out into tmpfs images),
     /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048), `GPUCR_HOOK_DEVICE_HASH` (`1`; `0` hashes
     /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
-    /// memory is plain, never exported, and a leave-running checkpoint copies it back).
+    /// memory is plain, never exported, and a leave-running checkpoint copies it back),
+    /// `GPUCR_HOOK_SNAPSHOT` (`1`; `0`: the memory is written while frozen),
+    /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -207,6 +227,15 @@ impl FastPathOptions {
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         let device_hash = flag(ENV_DEVICE_HASH, true)?;
         let keep = flag(ENV_KEEP, true)?;
+        let snapshot = flag(ENV_SNAPSHOT, true)?;
+        let headroom = match get(ENV_SNAPSHOT_HEADROOM_MIB) {
+            None => DEFAULT_SNAPSHOT_HEADROOM_MIB as u64,
+            Some(v) => v.trim().parse::<u64>().map_err(|_| OptionsError {
+                var: ENV_SNAPSHOT_HEADROOM_MIB,
+                value: v.clone(),
+                reason: "expected a number of MiB",
+            })?,
+        };
         Ok(FastPathOptions {
             image: ImageOptions {
                 chunk_size,
@@ -225,6 +254,8 @@ impl FastPathOptions {
             direct_window,
             device_hash,
             keep,
+            snapshot,
+            snapshot_headroom: headroom << 20,
         })
     }
 
@@ -582,6 +613,8 @@ pub struct FastPath<D> {
     /// Memory exported by the last Release with `keep`: each address and its fd's
     /// identity, so Reattach maps back exactly that memory.
     kept: Mutex<BTreeMap<DevicePtr, Option<(u64, u64)>>>,
+    /// The snapshot of a Snapshot verb, until written or dropped.
+    snapshot: Mutex<Option<Snapshot>>,
 }
 
 impl<D: VmmDriver + 'static> FastPath<D> {
@@ -592,6 +625,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             opts,
             last_image: Mutex::new(None),
             kept: Mutex::new(BTreeMap::new()),
+            snapshot: Mutex::new(None),
         }
     }
 
@@ -722,15 +756,15 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     fn resolve_chunks(
         &self,
         writer: &mut ImageWriter,
-        allocs: &[Allocation],
+        sources: &[(Allocation, DevicePtr)],
         ids: &[AllocId],
     ) -> Result<(Vec<ChunkTodo>, bool), FastPathError> {
         let chunk = self.opts.image.chunk_size as u64;
-        let all = |c: &mut Vec<ChunkTodo>, a: &Allocation, id: AllocId| {
+        let all = |c: &mut Vec<ChunkTodo>, (a, src): &(Allocation, DevicePtr), id: AllocId| {
             for offset in (0..a.size).step_by(chunk as usize) {
                 c.push(ChunkTodo {
                     id,
-                    va: a.va,
+                    va: *src,
                     offset,
                     len: chunk.min(a.size - offset),
                 });
@@ -740,10 +774,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         // gh1 hashes whole words: an allocation of another size (a plain cuMemAlloc can
         // ask for any) is hashed on the CPU.
         let hashable = |a: &Allocation| gpuhash::hashable(a.size) && gpuhash::hashable(chunk);
-        let regions: Vec<_> = allocs
+        let regions: Vec<_> = sources
             .iter()
-            .filter(|a| hashable(a))
-            .map(|a| (a.va, a.size))
+            .filter(|(a, _)| hashable(a))
+            .map(|(a, src)| (*src, a.size))
             .collect();
         let sums = if self.opts.device_hash && !regions.is_empty() {
             match self.driver().chunk_sums(&regions, chunk) {
@@ -757,15 +791,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             None
         };
         let Some(sums) = sums else {
-            for (a, id) in allocs.iter().zip(ids) {
-                all(&mut todo, a, *id);
+            for (source, id) in sources.iter().zip(ids) {
+                all(&mut todo, source, *id);
             }
             return Ok((todo, false));
         };
         let mut sums = sums.into_iter();
-        for (a, id) in allocs.iter().zip(ids) {
+        for (source, id) in sources.iter().zip(ids) {
+            let (a, src) = source;
             if !hashable(a) {
-                all(&mut todo, a, *id);
+                all(&mut todo, source, *id);
                 continue;
             }
             // The driver answers one list of sums per region, one sum per chunk.
@@ -785,7 +820,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 if writer.resolve(*id, offset, s.digest(len))? {
                     todo.push(ChunkTodo {
                         id: *id,
-                        va: a.va,
+                        va: *src,
                         offset,
                         len,
                     });
@@ -841,7 +876,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         image_dir: &Path,
         parent: Option<&Path>,
     ) -> Result<CopyOutReport, FastPathError> {
-        let start = Instant::now();
+        let sources: Vec<_> = self.mapped()?.into_iter().map(|a| (a.va, a)).map(|(va, a)| (a, va)).collect();
+        self.write_image(image_dir, parent, &sources)
+    }
+
+    /// Every tracked allocation, refusing if any is not mapped (or cannot be moved).
+    fn mapped(&self) -> Result<Vec<Allocation>, FastPathError> {
         let allocs = self.movable()?;
         if let Some(alloc) = allocs.iter().find(|a| a.state != AllocState::Mapped) {
             return Err(FastPathError::NotMapped {
@@ -849,15 +889,27 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 state: alloc.state,
             });
         }
+        Ok(allocs)
+    }
+
+    /// The copy-out proper: each allocation of `sources` recorded as it is, its bytes
+    /// read at the address paired with it (its own, or its copy in a snapshot).
+    fn write_image(
+        &self,
+        image_dir: &Path,
+        parent: Option<&Path>,
+        sources: &[(Allocation, DevicePtr)],
+    ) -> Result<CopyOutReport, FastPathError> {
+        let start = Instant::now();
         let opts = self.opts.image;
         let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
         let staged_at = start.elapsed().as_secs_f64();
-        let ids = allocs
+        let ids = sources
             .iter()
-            .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
+            .map(|(a, _)| writer.begin_allocation(a.va, a.size, self.tags()))
             .collect::<Result<Vec<_>, _>>()?;
         let t = Instant::now();
-        let (todo, hashed) = self.resolve_chunks(&mut writer, &allocs, &ids)?;
+        let (todo, hashed) = self.resolve_chunks(&mut writer, sources, &ids)?;
         let hash_seconds = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let region = self.direct_region(&mut writer)?;
@@ -866,14 +918,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             std::thread::scope(|scope| self.copy_chunks_out(scope, &mut writer, &todo, region))?;
         profile.device_hash = hash_seconds;
         profile.setup = staged_at + direct_seconds;
-        let bytes = allocs.iter().map(|a| a.size).sum();
+        let bytes = sources.iter().map(|(a, _)| a.size).sum();
         let stats = writer.stats();
         let t = Instant::now();
         writer.finish()?;
         profile.finish = t.elapsed().as_secs_f64();
         *self.last_image.lock().unwrap_or_else(|p| p.into_inner()) = Some(image_dir.to_path_buf());
         let report = CopyOutReport {
-            allocations: allocs.len(),
+            allocations: sources.len(),
             bytes,
             peak_staging_bytes: stats.peak_in_flight as u64 * opts.chunk_size as u64,
             seconds: start.elapsed().as_secs_f64(),
@@ -896,30 +948,41 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     }
 
     /// Releases the physical memory of every mapped allocation; the VA ranges stay.
-    /// All or nothing: when one fails, the ones released before it are re-mapped and
-    /// refilled from the last copy-out image.
+    /// All or nothing: when one fails, the ones released before it get their memory
+    /// back (the kept memory, else refilled from the last copy-out image).
     pub fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), FastPathError> {
-        let mut report = MemoryReport::default();
         let mapped: Vec<Allocation> = self
             .movable()?
             .into_iter()
             .filter(|a| a.state == AllocState::Mapped)
             .collect();
         let exported = if keep && self.opts.keep {
-            self.export_all(&mapped)
+            self.export_all(&mapped).unwrap_or_else(|why| {
+                tracing::info!(allocations = mapped.len(), "device memory not kept: {why}");
+                Vec::new()
+            })
         } else {
             Vec::new()
         };
+        self.release_all(mapped, exported)
+    }
+
+    /// Releases `mapped`; the memory of `exported` (all of it, or none) is kept: its
+    /// addresses are recorded for Reattach and its fds returned.
+    fn release_all(
+        &self,
+        mapped: Vec<Allocation>,
+        exported: Vec<(DevicePtr, OwnedFd)>,
+    ) -> Result<(MemoryReport, Vec<OwnedFd>), FastPathError> {
+        let mut report = MemoryReport::default();
         let mut released = Vec::new();
         for alloc in mapped {
             if let Err(source) = self.allocator.release(alloc.va) {
-                // The refill below comes from the image; the exported copies may go.
-                drop(exported);
                 // Unmapped but not released still counts: its memory is gone.
                 if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
                     released.push(alloc.clone());
                 }
-                let undo = match self.undo_release(&released) {
+                let undo = match self.undo_release(&released, exported) {
                     Ok(()) => format!("{} released allocation(s) restored", released.len()),
                     Err(e) => format!("restoring the released allocations failed: {e}"),
                 };
@@ -944,28 +1007,108 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         Ok((report, fds))
     }
 
-    /// Every allocation's memory exported as an fd, or none (logged why): the fds must
-    /// fit the process's fd limit and every export must work.
-    fn export_all(&self, allocs: &[Allocation]) -> Vec<(DevicePtr, OwnedFd)> {
-        if let Err(why) = make_fd_room(allocs.len()) {
-            tracing::info!(allocations = allocs.len(), "device memory not kept: {why}");
-            return Vec::new();
-        }
+    /// Every allocation's memory exported as an fd, or why not: the fds (and one more,
+    /// a snapshot's) must fit the process's fd limit and every export must work.
+    fn export_all(&self, allocs: &[Allocation]) -> Result<Vec<(DevicePtr, OwnedFd)>, String> {
+        make_fd_room(allocs.len() + 1)?;
         let mut out = Vec::with_capacity(allocs.len());
         for a in allocs {
             match self.allocator.export(a.va) {
                 Ok(Some(fd)) => out.push((a.va, fd)),
-                Ok(None) => {
-                    tracing::info!("device memory not kept: the driver cannot export it");
-                    return Vec::new();
-                }
-                Err(e) => {
-                    tracing::warn!(va = a.va, error = %e, "device memory not kept: export failed");
-                    return Vec::new();
-                }
+                Ok(None) => return Err("the driver cannot export it".into()),
+                Err(e) => return Err(format!("export of {:#x} failed: {e}", a.va)),
             }
         }
-        out
+        Ok(out)
+    }
+
+    /// Copies every allocation into a snapshot on the device, then releases them and
+    /// the snapshot, all kept (fds returned, the snapshot's last). Nothing changes when
+    /// it fails: the memory cannot be kept, no room for the snapshot, a driver error.
+    pub fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), FastPathError> {
+        if !(self.opts.snapshot && self.opts.keep) {
+            return Err(FastPathError::NoSnapshot("snapshots are off in this process"));
+        }
+        let mapped = self.mapped()?;
+        let exported = self
+            .export_all(&mapped)
+            .map_err(FastPathError::NotKeepable)?;
+        let t = Instant::now();
+        let mut snap = Snapshot::take(self.driver(), &mapped, self.opts.snapshot_headroom)?;
+        let copy_seconds = t.elapsed().as_secs_f64();
+        let driver = self.driver();
+        let fd = match snap.export(driver) {
+            Ok(Some(fd)) => fd,
+            Ok(None) => {
+                snap.free(driver);
+                return Err(FastPathError::NotKeepable(
+                    "the driver cannot export the snapshot".into(),
+                ));
+            }
+            Err(e) => {
+                snap.free(driver);
+                return Err(e.into());
+            }
+        };
+        if let Err(e) = snap.release(driver) {
+            snap.free(driver);
+            return Err(e.into());
+        }
+        let (mut release, mut fds) = match self.release_all(mapped, exported) {
+            Ok(done) => done,
+            Err(e) => {
+                snap.free(driver);
+                return Err(e);
+            }
+        };
+        self.kept
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(snap.va(), fd_identity(fd.as_fd()));
+        release.held.push(snap.va());
+        fds.push(fd);
+        let report = SnapshotReport {
+            release,
+            snapshot_bytes: snap.size(),
+            copy_seconds,
+        };
+        tracing::info!(?report.release.allocations, bytes = snap.size(), copy_seconds,
+            "device memory snapshot taken on the device and released with it");
+        *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
+        Ok((report, fds))
+    }
+
+    /// Writes the snapshot (mapped again: after Reattach) into a new image at
+    /// `image_dir`, as [`FastPath::copy_out`] would have written the memory when the
+    /// snapshot was taken; then frees it. On failure the snapshot stays (DropSnapshot).
+    pub fn write_snapshot(
+        &self,
+        image_dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<CopyOutReport, FastPathError> {
+        let mut guard = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let snap = guard.as_ref().ok_or(FastPathError::NoSnapshot("none taken"))?;
+        if !snap.is_mapped() {
+            return Err(FastPathError::NoSnapshot("its memory is not mapped (Reattach first)"));
+        }
+        let report = self.write_image(image_dir, parent, &snap.sources())?;
+        if let Some(snap) = guard.take() {
+            snap.free(self.driver());
+        }
+        Ok(report)
+    }
+
+    /// Frees the snapshot, if any, without writing it.
+    pub fn drop_snapshot(&self) {
+        if let Some(snap) = self
+            .snapshot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            tracing::info!(bytes = snap.size(), "device memory snapshot dropped");
+            snap.free(self.driver());
+        }
     }
 
     /// Maps the memory kept since the last Release back at `held` (its addresses, in
@@ -995,15 +1138,23 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             }
         }
         let mut report = MemoryReport::default();
+        let mut snapshot = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
+        let mut allocations = Vec::with_capacity(held.len());
         for (va, fd) in held.iter().zip(fds) {
             // Mapped, the memory is held by this process's handle; the fd may close.
-            self.allocator.reattach(*va, fd.as_fd())?;
+            match snapshot.as_mut().filter(|s| s.va() == *va) {
+                Some(snap) => snap.reattach(self.driver(), fd.as_fd())?,
+                None => {
+                    self.allocator.reattach(*va, fd.as_fd())?;
+                    report.allocations += 1;
+                    report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
+                    allocations.push(*va);
+                }
+            }
             kept.remove(va);
-            report.allocations += 1;
-            report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
         }
-        drop(kept);
-        self.make_exportable(held);
+        drop((kept, snapshot));
+        self.make_exportable(&allocations);
         Ok(report)
     }
 
@@ -1023,8 +1174,24 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         }
     }
 
-    /// Re-maps `released` and refills them from the last copy-out image.
-    fn undo_release(&self, released: &[Allocation]) -> Result<(), FastPathError> {
+    /// Gives `released` their memory back: the exported memory where it was kept, else
+    /// new memory refilled from the last copy-out image.
+    fn undo_release(
+        &self,
+        released: &[Allocation],
+        exported: Vec<(DevicePtr, OwnedFd)>,
+    ) -> Result<(), FastPathError> {
+        let exported: BTreeMap<_, _> = exported.into_iter().collect();
+        let mut refill = Vec::new();
+        for alloc in released {
+            match exported.get(&alloc.va) {
+                Some(fd) => self.allocator.reattach(alloc.va, fd.as_fd())?,
+                None => refill.push(alloc.clone()),
+            }
+        }
+        let reattached: Vec<_> = exported.keys().copied().collect();
+        self.make_exportable(&reattached);
+        let released = refill;
         if released.is_empty() {
             return Ok(());
         }
@@ -1035,7 +1202,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .clone()
             .ok_or(FastPathError::NoImage)?;
         let reader = ImageReader::open(&dir)?;
-        for alloc in released {
+        for alloc in &released {
             self.allocator.remap(alloc.va)?;
         }
         let now: Vec<Allocation> = released
@@ -1049,8 +1216,11 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// Creates physical memory again at the VA of every released allocation.
     pub fn remap(&self) -> Result<MemoryReport, FastPathError> {
-        // Kept memory not reattached is given up: the copy-in refills from the image.
+        // Kept memory not reattached is given up: the copy-in refills from the image. So
+        // is a snapshot (a process restored from a snapshot checkpoint has its address
+        // range only; its image was written before the checkpoint completed).
         self.kept.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.drop_snapshot();
         self.for_each_in(AllocState::Released, |va| self.allocator.remap(va))
     }
 
@@ -1484,6 +1654,22 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     fn thaw(&self) -> Result<(), FastPathError> {
         FastPath::thaw(self)
     }
+    fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), FastPathError> {
+        FastPath::snapshot(self)
+    }
+    fn write_snapshot(
+        &self,
+        dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<CopyOutReport, FastPathError> {
+        let result = FastPath::write_snapshot(self, dir, parent);
+        self.driver().end_copies();
+        result
+    }
+    fn drop_snapshot(&self) -> Result<(), FastPathError> {
+        FastPath::drop_snapshot(self);
+        Ok(())
+    }
     fn status(&self, state: CheckpointState) -> HookStatus {
         let table = self.allocator.table();
         HookStatus {
@@ -1496,6 +1682,12 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
                 .iter()
                 .filter(|a| a.state == AllocState::Released)
                 .count(),
+            snapshot_bytes: self
+                .snapshot
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .map_or(0, Snapshot::size),
             unsupported: table.unsupported().to_vec(),
         }
     }

@@ -38,6 +38,8 @@ fn opts() -> FastPathOptions {
         // The fake hashes on the "device" only when a test switches it on.
         device_hash: true,
         keep: true,
+        snapshot: true,
+        snapshot_headroom: 0,
     }
 }
 

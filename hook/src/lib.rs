@@ -11,3 +11,4 @@ pub mod fastpath;
 pub mod gate;
 pub mod hook;
 pub mod protocol;
+pub mod snapshot;

@@ -20,6 +20,13 @@
 //! the shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach`
 //! gives them back the same way (the request frame, then the batches) and the hook maps
 //! them at their addresses again: no copy-in.
+//!
+//! **Snapshot.** `Snapshot` (while Frozen) is a Release with `keep` that first copies every
+//! allocation device to device into one region of new memory: the reply's `held` ends
+//! with that region's address and the fds with its memory. After Reattach and Thaw the
+//! workload runs while `WriteSnapshot` writes the image from the snapshot (its directory
+//! like CopyOut's); `DropSnapshot` frees a snapshot that will not be written. A leave-
+//! running checkpoint then pauses the workload only for the driver's cycle and the dump.
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -68,6 +75,19 @@ pub enum Request {
     Reattach { held: Vec<u64> },
     /// Fill every allocation from the image at `image_dir`.
     CopyIn { image_dir: PathBuf },
+    /// Copy every allocation into a snapshot on the device, then release it all as
+    /// Release with `keep` does (the snapshot's fd last). Refused (state unchanged) when
+    /// the memory cannot be kept or the device has no room for the snapshot.
+    Snapshot,
+    /// Write the snapshot into a new image at `image_dir` (a delta of `parent` when
+    /// given), as CopyOut would have written the memory at the freeze; then free it.
+    WriteSnapshot {
+        image_dir: PathBuf,
+        #[serde(default)]
+        parent: Option<PathBuf>,
+    },
+    /// Free a snapshot that will not be written (the checkpoint failed).
+    DropSnapshot,
     /// Let GPU work go on.
     Thaw,
     /// Report the state; legal in every state.
@@ -75,8 +95,18 @@ pub enum Request {
 }
 
 /// The verbs [`Request`] knows, to tell an unknown verb from a malformed request.
-pub const VERBS: [&str; 8] = [
-    "Freeze", "CopyOut", "Release", "Remap", "Reattach", "CopyIn", "Thaw", "Status",
+pub const VERBS: [&str; 11] = [
+    "Freeze",
+    "CopyOut",
+    "Release",
+    "Remap",
+    "Reattach",
+    "CopyIn",
+    "Thaw",
+    "Status",
+    "Snapshot",
+    "WriteSnapshot",
+    "DropSnapshot",
 ];
 
 impl Request {
@@ -91,6 +121,9 @@ impl Request {
             Request::CopyIn { .. } => Verb::CopyIn,
             Request::Thaw => Verb::Thaw,
             Request::Status => Verb::Status,
+            Request::Snapshot => Verb::Snapshot,
+            Request::WriteSnapshot { .. } => Verb::WriteSnapshot,
+            Request::DropSnapshot => Verb::DropSnapshot,
         }
     }
 }
@@ -106,11 +139,15 @@ pub enum Verb {
     CopyIn,
     Thaw,
     Status,
+    Snapshot,
+    WriteSnapshot,
+    DropSnapshot,
 }
 
 /// Where the hook is in the checkpoint sequence. Declaration order is the protocol
 /// order: Running → Frozen → CopiedOut → Released → Remapped → CopiedIn → Running, or
-/// Released → Reattached → Running when the memory was kept (fds held by the shim).
+/// Released → Reattached → Running when the memory was kept (fds held by the shim), or
+/// Frozen → Snapshotted → SnapshotReattached → WritePending → Running with a snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CheckpointState {
     Running,
@@ -121,6 +158,13 @@ pub enum CheckpointState {
     CopiedIn,
     /// The kept memory is mapped again: contents as at the release; Thaw is next.
     Reattached,
+    /// The memory and a snapshot of it released, their fds held by the shim. (A process
+    /// restored from such a checkpoint wakes up here: Remap and CopyIn from the image.)
+    Snapshotted,
+    /// The kept memory and the snapshot mapped again; Thaw is next.
+    SnapshotReattached,
+    /// Running, with a snapshot to write (WriteSnapshot) or drop (DropSnapshot).
+    WritePending,
 }
 
 /// A reply on the control socket.
@@ -142,6 +186,18 @@ pub enum Outcome {
     CopiedIn(CopyInReport),
     Thawed,
     Status(HookStatus),
+    Snapshotted(SnapshotReport),
+    SnapshotWritten(CopyOutReport),
+    SnapshotDropped,
+}
+
+/// A snapshot's result: the release (its `held` ends with the snapshot's address), the
+/// snapshot's size and how long the device-to-device copy took.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotReport {
+    pub release: MemoryReport,
+    pub snapshot_bytes: u64,
+    pub copy_seconds: f64,
 }
 
 /// A copy-out's result.
@@ -223,6 +279,9 @@ pub struct HookStatus {
     /// Application-visible bytes of all tracked allocations.
     pub bytes: u64,
     pub released: usize,
+    /// Bytes of device memory a snapshot holds (WritePending), else 0.
+    #[serde(default)]
+    pub snapshot_bytes: u64,
     /// Memory the hook cannot move; when not empty the shim must use the driver path.
     pub unsupported: Vec<Unsupported>,
 }
