@@ -24,8 +24,8 @@ use thiserror::Error;
 use crate::driver::DevicePtr;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, SnapshotReport,
-    Verb, FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, SnapshotReport, Verb,
+    FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.

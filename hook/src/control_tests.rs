@@ -711,3 +711,69 @@ fn reattach_with_the_wrong_number_of_fds_is_refused() {
     assert_eq!(c.state(), CheckpointState::Released);
     assert!(!c.engine().calls.lock().unwrap().contains(&Verb::Reattach));
 }
+
+#[test]
+fn a_snapshot_sends_the_memory_and_the_snapshot_and_is_written_by_fd_after_the_thaw() {
+    let (_sock, path, controller) = serve_stub_with(StubEngine {
+        keep: 5,
+        ..StubEngine::default()
+    });
+    let state = || controller.lock().unwrap().state();
+    let mut client = ControlClient::connect(&path).unwrap();
+    ok(client.call(&Request::Freeze).unwrap());
+    let (reply, fds) = client.snapshot().unwrap();
+    let Reply::Ok(Outcome::Snapshotted(report)) = reply else {
+        panic!("{reply:?}");
+    };
+    assert_eq!((report.release.held.len(), fds.len()), (6, 6));
+    assert_eq!(state(), CheckpointState::Snapshotted);
+    // Not thawed without the memory, not written before it is back.
+    for verb in [Verb::Thaw, Verb::WriteSnapshot, Verb::Freeze] {
+        let reply = client.call(&request(verb)).unwrap();
+        assert_eq!(error_kind(reply), ErrorKind::IllegalInState, "{verb:?}");
+    }
+    ok(client.reattach(&report.release.held, &fds).unwrap());
+    assert_eq!(state(), CheckpointState::SnapshotReattached);
+    ok(client.call(&Request::Thaw).unwrap());
+    assert_eq!(state(), CheckpointState::WritePending);
+    // No new checkpoint while the snapshot waits.
+    let reply = client.call(&Request::Freeze).unwrap();
+    assert_eq!(error_kind(reply), ErrorKind::IllegalInState);
+    let images = tempfile::tempdir().unwrap();
+    let dir = File::open(images.path()).unwrap();
+    let parent = File::open(images.path()).unwrap();
+    ok(client
+        .write_snapshot_fd(&dir, Path::new("7"), Some(&parent))
+        .unwrap());
+    let paths = controller
+        .lock()
+        .unwrap()
+        .engine()
+        .paths
+        .lock()
+        .unwrap()
+        .clone();
+    assert!(
+        paths[0].starts_with("/proc/self/fd/") && paths[0].ends_with("7"),
+        "{paths:?}"
+    );
+    assert_eq!(paths.len(), 2, "the parent too: {paths:?}");
+    assert_eq!(state(), CheckpointState::Running);
+    assert_eq!(controller.lock().unwrap().held_fds(), 0);
+    // A failed write keeps the snapshot for DropSnapshot.
+    ok(client.call(&Request::Freeze).unwrap());
+    let (reply, fds) = client.snapshot().unwrap();
+    let Reply::Ok(Outcome::Snapshotted(report)) = reply else {
+        panic!("{reply:?}");
+    };
+    ok(client.reattach(&report.release.held, &fds).unwrap());
+    ok(client.call(&Request::Thaw).unwrap());
+    *controller.lock().unwrap().engine().fail.lock().unwrap() = Some(Verb::WriteSnapshot);
+    let reply = client
+        .write_snapshot_fd(&dir, Path::new("8"), None)
+        .unwrap();
+    assert_eq!(error_kind(reply), ErrorKind::Failed);
+    assert_eq!(state(), CheckpointState::WritePending);
+    ok(client.call(&Request::DropSnapshot).unwrap());
+    assert_eq!(state(), CheckpointState::Running);
+}

@@ -572,7 +572,12 @@ impl VmmDriver for FakeDriver {
         Self::check(&mut s, call)?;
         let id = fd_identity(fd).ok_or_else(|| invalid(call))?;
         let old = *s.exports.get(&id).ok_or_else(|| invalid(call))?;
-        let bytes = s.orphans.remove(&old).ok_or_else(|| invalid(call))?;
+        // Released by its owner, or still held (a release that failed: the hook leaks
+        // that handle and never uses it again, so a copy stands for the shared memory).
+        let bytes = match s.orphans.remove(&old) {
+            Some(bytes) => bytes,
+            None => s.physical.get(&old).cloned().ok_or_else(|| invalid(call))?,
+        };
         let handle = PhysHandle(s.next_handle);
         s.next_handle += 1;
         s.physical.insert(handle, bytes);

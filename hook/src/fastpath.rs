@@ -876,7 +876,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         image_dir: &Path,
         parent: Option<&Path>,
     ) -> Result<CopyOutReport, FastPathError> {
-        let sources: Vec<_> = self.mapped()?.into_iter().map(|a| (a.va, a)).map(|(va, a)| (a, va)).collect();
+        let sources: Vec<_> = self
+            .mapped()?
+            .into_iter()
+            .map(|a| (a.va, a))
+            .map(|(va, a)| (a, va))
+            .collect();
         self.write_image(image_dir, parent, &sources)
     }
 
@@ -1027,7 +1032,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// it fails: the memory cannot be kept, no room for the snapshot, a driver error.
     pub fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), FastPathError> {
         if !(self.opts.snapshot && self.opts.keep) {
-            return Err(FastPathError::NoSnapshot("snapshots are off in this process"));
+            return Err(FastPathError::NoSnapshot(
+                "snapshots are off in this process",
+            ));
         }
         let mapped = self.mapped()?;
         let exported = self
@@ -1087,9 +1094,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         parent: Option<&Path>,
     ) -> Result<CopyOutReport, FastPathError> {
         let mut guard = self.snapshot.lock().unwrap_or_else(|p| p.into_inner());
-        let snap = guard.as_ref().ok_or(FastPathError::NoSnapshot("none taken"))?;
+        let snap = guard
+            .as_ref()
+            .ok_or(FastPathError::NoSnapshot("none taken"))?;
         if !snap.is_mapped() {
-            return Err(FastPathError::NoSnapshot("its memory is not mapped (Reattach first)"));
+            return Err(FastPathError::NoSnapshot(
+                "its memory is not mapped (Reattach first)",
+            ));
         }
         let report = self.write_image(image_dir, parent, &snap.sources())?;
         if let Some(snap) = guard.take() {

@@ -1385,3 +1385,152 @@ fn a_renewal_that_cannot_map_the_new_memory_puts_the_old_back() {
     }
     s.fast.thaw().unwrap();
 }
+
+/// Frozen, then a snapshot taken: its report and the fds the shim would hold.
+fn snapshotted(s: &Setup) -> (SnapshotReport, Vec<OwnedFd>) {
+    s.fast.freeze().unwrap();
+    s.fast.snapshot().unwrap()
+}
+
+#[test]
+fn a_snapshot_is_written_after_the_thaw_as_the_memory_was_at_the_freeze() {
+    let s = setup();
+    let expected = populate(&s);
+    let n = expected.len();
+    let (report, fds) = snapshotted(&s);
+    assert_eq!(report.release.allocations, n);
+    assert_eq!(
+        report.release.held.len(),
+        n + 1,
+        "every allocation and the snapshot"
+    );
+    assert_eq!(fds.len(), n + 1);
+    let sizes: u64 = expected
+        .iter()
+        .map(|(va, _)| s.allocator.get(*va).unwrap().mapped_size)
+        .sum();
+    assert_eq!(report.snapshot_bytes, sizes);
+    assert_eq!(s.driver.mappings(), 0, "memory and snapshot released");
+    assert_eq!(s.driver.reservations(), n + 1);
+    let err = s.fast.write_snapshot(Path::new("/nonexistent"), None);
+    assert!(
+        matches!(err, Err(FastPathError::NoSnapshot(_))),
+        "not mapped yet"
+    );
+    let host = s.driver.host_stats();
+    s.fast.reattach(&report.release.held, fds).unwrap();
+    assert_eq!(s.driver.host_stats(), host, "nothing through the host");
+    s.fast.thaw().unwrap();
+    check(&s, &expected);
+    // The workload runs on and changes all its memory before the image is written.
+    for (va, data) in &expected {
+        s.driver
+            .copy_from_host(*va, &vec![0x5a; data.len()])
+            .unwrap();
+    }
+    let root = tempfile::tempdir().unwrap();
+    let image = root.path().join("img");
+    let rep = s.fast.write_snapshot(&image, None).unwrap();
+    assert_eq!(rep.allocations, n);
+    assert_eq!(s.driver.reservations(), n, "the snapshot is freed");
+    assert!(matches!(
+        s.fast.write_snapshot(&root.path().join("again"), None),
+        Err(FastPathError::NoSnapshot(_))
+    ));
+    // The image is the memory at the freeze: copied in, it is back.
+    s.fast.freeze().unwrap();
+    s.fast.release(false).unwrap();
+    s.fast.remap().unwrap();
+    s.fast.copy_in(&image).unwrap();
+    s.fast.thaw().unwrap();
+    check(&s, &expected);
+    // And the next checkpoint can snapshot the reattached memory again.
+    let (report, fds) = snapshotted(&s);
+    assert_eq!(fds.len(), n + 1);
+    s.fast.reattach(&report.release.held, fds).unwrap();
+    s.fast.thaw().unwrap();
+    s.fast.drop_snapshot();
+    assert_eq!(s.driver.reservations(), n);
+    check(&s, &expected);
+}
+
+#[test]
+fn a_snapshot_that_cannot_be_taken_changes_nothing() {
+    let n;
+    {
+        // No room: the snapshot would leave less than the headroom free.
+        let s = setup_with(FastPathOptions {
+            snapshot_headroom: 256 * G,
+            ..opts()
+        });
+        let expected = populate(&s);
+        n = expected.len();
+        s.fast.freeze().unwrap();
+        let err = s.fast.snapshot().unwrap_err();
+        assert!(
+            matches!(err, FastPathError::Snapshot(SnapshotError::NoRoom { .. })),
+            "{err}"
+        );
+        assert_eq!(s.driver.reservations(), n);
+        check(&s, &expected);
+        // Off in the options.
+        let s = setup_with(FastPathOptions {
+            snapshot: false,
+            ..opts()
+        });
+        populate(&s);
+        s.fast.freeze().unwrap();
+        assert!(matches!(
+            s.fast.snapshot(),
+            Err(FastPathError::NoSnapshot(_))
+        ));
+    }
+    // An export, the device copy, or a release half-way fails.
+    for (call, skip) in [
+        (DriverCall::Export, 2),
+        (DriverCall::CopyDevice, 3),
+        (DriverCall::Release, 3),
+    ] {
+        let s = setup();
+        let expected = populate(&s);
+        let physical = s.driver.physical_bytes();
+        s.fast.freeze().unwrap();
+        s.driver.fail_nth(call, skip);
+        let err = s.fast.snapshot().unwrap_err();
+        assert_eq!(s.driver.reservations(), n, "{call:?}: {err}");
+        check(&s, &expected);
+        if call != DriverCall::Release {
+            assert_eq!(s.driver.physical_bytes(), physical, "{call:?}");
+        }
+        // Still frozen, nothing kept: the snapshot can be tried again.
+        let (report, fds) = s.fast.snapshot().unwrap();
+        s.fast.reattach(&report.release.held, fds).unwrap();
+        s.fast.thaw().unwrap();
+        s.fast.drop_snapshot();
+        check(&s, &expected);
+    }
+}
+
+#[test]
+fn a_process_restored_from_a_snapshot_checkpoint_remaps_and_copies_in() {
+    let s = setup();
+    let expected = populate(&s);
+    // The image the checkpoint wrote (from the snapshot, after the dump).
+    let root = frozen_and_copied(&s);
+    // The dump saw the process Snapshotted; restored elsewhere, no fd comes back.
+    let (_, fds) = s.fast.snapshot().unwrap();
+    drop(fds);
+    s.fast.remap().unwrap();
+    assert_eq!(
+        s.driver.reservations(),
+        expected.len(),
+        "snapshot range freed"
+    );
+    s.fast.copy_in(&root.path().join("img")).unwrap();
+    s.fast.thaw().unwrap();
+    check(&s, &expected);
+    assert!(matches!(
+        s.fast.write_snapshot(&root.path().join("x"), None),
+        Err(FastPathError::NoSnapshot(_))
+    ));
+}
