@@ -8,6 +8,9 @@
 //!
 //! With the hook (see `gpu_hook`), its processes move their device memory first:
 //! hook copy-out → driver lock + checkpoint → dump → driver restore + unlock → hook give-back.
+//! A leave-running checkpoint of a running task snapshots the memory on the device instead
+//! of copying it out: the image is written after the give-back, while the task runs, and
+//! the records and the manifest after that.
 
 use std::{
     collections::BTreeMap,
@@ -211,8 +214,12 @@ impl Container {
             empty_ns: req.empty_namespaces.clone(),
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
-        // The hook first: the driver's lock would block the hook's own CUDA calls.
-        let hooked = self.hook_copy_out(init.state, image, !req.exit).await?;
+        // The hook first: the driver's lock would block the hook's own CUDA calls. A
+        // paused task's give-back may wait for Resume: no snapshot to write then.
+        let snapshot = !req.exit && init.state != InitState::Paused;
+        let hooked = self
+            .hook_copy_out(init.state, image, !req.exit, snapshot)
+            .await?;
         let quiesced = match self.quiesce_gpu(init.state).await {
             Ok(q) => q,
             Err(e) => {
@@ -275,9 +282,41 @@ impl Container {
             }
             None => None,
         };
+        // The task lives on (leave-running): its GPU must too, before the records and
+        // the manifest are written (and a snapshot's image: while the task runs).
+        let mut resumed = match quiesced {
+            Some(q) if !req.exit => self.resume_gpu(q, init.state).await,
+            _ => Ok(()),
+        };
+        let hook_record = match hooked {
+            // With `exit` CRIU killed the task: nothing to give back to.
+            Some(h) if !req.exit => {
+                let (record, given) = self.hook_give_back_and_write(h, init.state).await;
+                resumed = resumed.and(given);
+                Some(record)
+            }
+            Some(h) => Some(Some(h.record())),
+            None => None,
+        };
         // Whether the hook was there, and what it moved (timings, bytes, fallbacks).
-        if let Some(h) = &hooked {
-            if let Err(e) = h.record().save(image) {
+        if let Some(record) = hook_record {
+            let Some(record) = record else {
+                let msg = format!(
+                    "the GPU state of the hook's processes was not written into the image{}",
+                    resumed
+                        .as_ref()
+                        .err()
+                        .map(|e| format!(": {e}"))
+                        .unwrap_or_default()
+                );
+                tracing::error!(id = %self.id, "checkpoint failed: {msg}");
+                return Err(Error::Checkpoint {
+                    id: self.id.clone(),
+                    msg,
+                    log: None,
+                });
+            };
+            if let Err(e) = record.save(image) {
                 tracing::error!(id = %self.id, "no hook record in the image (a restore cannot \
                     give the moved memory back): {e}");
             }
@@ -290,17 +329,6 @@ impl Container {
         let written = write_manifest(&self.id, image, !req.exit, dump_ms);
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");
-        }
-        // The task lives on (leave-running): its GPU must too, whether or not the manifest
-        // was written.
-        let mut resumed = match quiesced {
-            Some(q) if !req.exit => self.resume_gpu(q, init.state).await,
-            _ => Ok(()),
-        };
-        // With `exit` CRIU killed the task: nothing to give back to.
-        if !req.exit {
-            let given = self.hook_give_back(hooked, init.state).await;
-            resumed = resumed.and(given);
         }
         if let (Err(_), Err(g)) = (&written, &resumed) {
             tracing::error!(id = %self.id, "after a failed manifest: {g}");
@@ -340,6 +368,7 @@ impl Container {
         state: InitState,
         image: &Path,
         keep: bool,
+        snapshot: bool,
     ) -> Result<Option<HookCheckpoint>> {
         if !self.hook || self.gpu.quiescer != gpu::Quiescer::Shim {
             return Ok(None);
@@ -353,7 +382,7 @@ impl Container {
         let (id, image) = (self.id.clone(), image.to_path_buf());
         let res = tokio::task::spawn_blocking(move || {
             let processes = gpu_hook::find(&sockets, &pids);
-            gpu_hook::copy_out(&id, &processes, &image, keep)
+            gpu_hook::copy_out(&id, &processes, &image, keep, snapshot)
         })
         .await;
         if paused {
@@ -367,6 +396,31 @@ impl Container {
             msg: e.to_string(),
             log: None,
         })
+    }
+
+    /// The success path's give-back: every process gets its memory back, then the
+    /// snapshots are written into the image (a task that is not paused; see
+    /// [`Container::hook_give_back`] for one that is). Returns the hook's record for the
+    /// image, `None` when a process's memory is not in the image (a snapshot unwritten).
+    async fn hook_give_back_and_write(
+        &self,
+        mut h: HookCheckpoint,
+        state: InitState,
+    ) -> (Option<HookRecord>, Result<()>) {
+        if state == InitState::Paused || h.moved_pids().is_empty() {
+            // No snapshot (see `checkpoint`): the images are complete already.
+            let record = h.record();
+            return (Some(record), self.hook_give_back(Some(h), state).await);
+        }
+        let res = tokio::task::spawn_blocking(move || {
+            let given = h.give_back_and_write();
+            (h.images_complete().then(|| h.record()), given)
+        })
+        .await;
+        match res {
+            Ok((record, given)) => (record, given.map_err(Error::from)),
+            Err(e) => (None, Err(Error::Gpu(format!("hook worker panicked: {e}")))),
+        }
     }
 
     /// Gives the hook's processes their memory back (after the driver's unlock). A task

@@ -11,6 +11,15 @@
 //! so the memory never leaves the GPU; giving it back is then Reattach → Thaw, no copy-in.
 //! The image is written all the same; a failed Reattach falls back to Remap → CopyIn.
 //!
+//! With `snapshot` (leave-running, task not paused), the hook is asked to Snapshot instead
+//! of CopyOut + Release: it copies its memory device to device into a snapshot and
+//! releases both, kept. After the dump the process gets its memory back and runs
+//! (Reattach → Thaw) and only then is the snapshot written into the image
+//! (WriteSnapshot), while the workload runs: the pause no longer includes the copy to
+//! the host. A hook that cannot (no room on the device, memory not exportable) answers
+//! with an error and the copy-out path is used. The snapshot's image is written before
+//! the checkpoint completes; until then the shim's fds are the only copy of the state.
+//!
 //! A process whose hook does not answer, reports memory it cannot move, or fails before
 //! anything was released is thawed and left to the driver path alone, with the reason
 //! logged and recorded. Only a process whose memory was released and cannot be given
@@ -25,7 +34,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpucr_hook::control::{socket_path, ControlClient, ControlError};
-use gpucr_hook::protocol::{CheckpointState, HookStatus, Outcome, Reply, Request, Verb};
+use gpucr_hook::protocol::{
+    CheckpointState, HookStatus, Outcome, Reply, Request, SnapshotReport, Verb,
+};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -209,18 +220,55 @@ impl Conn {
         }
     }
 
-    /// Release; with `keep`, the kept memory's addresses and fds (empty when the hook
-    /// could not keep it).
-    fn release(&mut self, keep: bool) -> Result<(Vec<u64>, Vec<OwnedFd>)> {
-        let (reply, fds) = match self.client.release(keep) {
+    /// A verb whose reply may come with memory fds: the outcome and the fds.
+    fn call_for_fds(
+        &mut self,
+        verb: Verb,
+        call: impl FnOnce(
+            &mut ControlClient,
+        ) -> std::result::Result<(Reply, Vec<OwnedFd>), ControlError>,
+    ) -> Result<(Outcome, Vec<OwnedFd>)> {
+        let (reply, fds) = match call(&mut self.client) {
             Ok((reply, fds)) => (Ok(reply), fds),
             Err(e) => (Err(e), Vec::new()),
         };
-        match self.reply(Verb::Release, reply)? {
+        Ok((self.reply(verb, reply)?, fds))
+    }
+
+    /// Release; with `keep`, the kept memory's addresses and fds (empty when the hook
+    /// could not keep it).
+    fn release(&mut self, keep: bool) -> Result<(Vec<u64>, Vec<OwnedFd>)> {
+        match self.call_for_fds(Verb::Release, |c| c.release(keep))? {
             // Without every fd nothing is kept (the memory is freed as they close).
-            Outcome::Released(r) if r.held.len() == fds.len() => Ok((r.held, fds)),
-            Outcome::Released(_) => Ok((Vec::new(), Vec::new())),
-            other => Err(self.unexpected(Verb::Release, &other)),
+            (Outcome::Released(r), fds) if r.held.len() == fds.len() => Ok((r.held, fds)),
+            (Outcome::Released(_), _) => Ok((Vec::new(), Vec::new())),
+            (other, _) => Err(self.unexpected(Verb::Release, &other)),
+        }
+    }
+
+    /// Snapshot: the report and the fds of its `held` addresses (the memory, then the
+    /// snapshot). A reply without every fd is an error: that memory is gone.
+    fn snapshot(&mut self) -> Result<(SnapshotReport, Vec<OwnedFd>)> {
+        match self.call_for_fds(Verb::Snapshot, |c| c.snapshot())? {
+            (Outcome::Snapshotted(r), fds) if r.release.held.len() == fds.len() => Ok((r, fds)),
+            (Outcome::Snapshotted(r), fds) => Err(HookError::Stranded {
+                pid: self.pid,
+                cause: format!(
+                    "{} of the {} kept memory fds arrived after its Snapshot",
+                    fds.len(),
+                    r.release.held.len()
+                ),
+            }),
+            (other, _) => Err(self.unexpected(Verb::Snapshot, &other)),
+        }
+    }
+
+    /// WriteSnapshot into `<dir>/<name>`: bytes and milliseconds.
+    fn write_snapshot(&mut self, dir: &File, name: &Path) -> Result<u64> {
+        let reply = self.client.write_snapshot_fd(dir, name, None);
+        match self.reply(Verb::WriteSnapshot, reply)? {
+            Outcome::SnapshotWritten(r) => Ok(r.bytes),
+            other => Err(self.unexpected(Verb::WriteSnapshot, &other)),
         }
     }
 
@@ -295,6 +343,10 @@ pub struct ProcessRecord {
     /// Allocations whose memory the shim held on the GPU across the dump (leave-running).
     #[serde(default)]
     pub kept: usize,
+    /// The Snapshot verb (device-to-device copy and release), when the memory was
+    /// snapshotted; `copy_out_ms` is then the image's write after the thaw.
+    #[serde(default)]
+    pub snapshot_ms: u64,
 }
 
 /// A process left to the driver path, and why.
@@ -387,6 +439,16 @@ enum Stage {
     Released,
     /// The kept memory is mapped again: Thaw is all that is left.
     Reattached,
+    /// Memory and its snapshot released, held by this shim: Reattach → Thaw → write.
+    Snapshotted,
+    /// Memory and snapshot mapped again: Thaw, then the snapshot's write.
+    SnapshotReattached,
+    /// Running; the snapshot is still to be written (or dropped).
+    WritePending,
+    /// Running; its snapshot was dropped or could not be written: not in the image.
+    Unwritten,
+    /// Running, with its image complete.
+    Done,
 }
 
 /// A process whose hook moved (part of) the checkpoint.
@@ -409,13 +471,17 @@ pub struct HookCheckpoint {
     image: PathBuf,
     /// Ask the hooks to keep the memory on the GPU (the task lives on).
     keep: bool,
+    /// Ask the hooks for a snapshot (the task lives on, and runs once given back).
+    snapshot: bool,
     moved: Vec<Moved>,
     fallbacks: Vec<Fallback>,
 }
 
 /// Checkpoint, before the driver's lock: Status → Freeze → CopyOut → Release for each of
 /// `processes`, images under `<image>/gpu-hook/`; with `keep` (leave-running) the memory
-/// stays on the GPU, held by this shim until [`HookCheckpoint::give_back`]. A process that
+/// stays on the GPU, held by this shim until [`HookCheckpoint::give_back`]. With
+/// `snapshot` (and `keep`), Snapshot replaces CopyOut + Release where the hook can, and
+/// the image is written by [`HookCheckpoint::give_back_and_write`]. A process that
 /// cannot is left running for the driver path; an error means a process could not be
 /// brought back (every other one was).
 pub fn copy_out(
@@ -423,11 +489,13 @@ pub fn copy_out(
     processes: &[HookProcess],
     image: &Path,
     keep: bool,
+    snapshot: bool,
 ) -> Result<HookCheckpoint> {
     let mut cp = HookCheckpoint {
         id: id.to_string(),
         image: image.to_path_buf(),
         keep,
+        snapshot: keep && snapshot,
         moved: Vec::new(),
         fallbacks: Vec::new(),
     };
@@ -509,6 +577,7 @@ impl HookCheckpoint {
                 copy_out_ms: 0,
                 release_ms: 0,
                 kept: 0,
+                snapshot_ms: 0,
             },
             held: Vec::new(),
             fds: Vec::new(),
@@ -516,6 +585,27 @@ impl HookCheckpoint {
         let t = Instant::now();
         conn.call(&Request::Freeze).map_err(fallback)?;
         moved.record.freeze_ms = ms_since(t);
+        if self.snapshot && fds_fit(p.host_pid, status.allocations + 1) {
+            let t = Instant::now();
+            match conn.snapshot() {
+                Ok((report, fds)) => {
+                    moved.record.snapshot_ms = ms_since(t);
+                    moved.record.kept = report.release.allocations;
+                    moved.held = report.release.held;
+                    moved.fds = fds;
+                    moved.stage = Stage::Snapshotted;
+                    return Ok(moved);
+                }
+                // Refused: still Frozen, nothing released.
+                Err(HookError::Verb { message, .. }) => tracing::info!(
+                    id = %self.id,
+                    pid = p.host_pid,
+                    reason = %message,
+                    "no device snapshot; copying the memory out while frozen"
+                ),
+                Err(e) => return Err(self.undo_one(&mut moved, &mut conn, e)),
+            }
+        }
         let t = Instant::now();
         let name = PathBuf::from(p.ns_pid.to_string());
         let steps = conn.copy_out(dir, &name).and_then(|(bytes, allocations)| {
@@ -533,16 +623,24 @@ impl HookCheckpoint {
         match steps {
             Ok(()) => Ok(moved),
             // The hook undid a failed release itself; the process is CopiedOut or Frozen.
-            Err(e) => match give_back_one(&self.image, &mut moved, &mut conn) {
-                Ok(()) => {
-                    let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, p.ns_pid));
-                    Err(fallback(e))
-                }
-                Err(undo) => Err(Outcome1::Fatal(HookError::Stranded {
-                    pid: p.host_pid,
-                    cause: format!("{e}; then {undo}"),
-                })),
-            },
+            Err(e) => Err(self.undo_one(&mut moved, &mut conn, e)),
+        }
+    }
+
+    /// After `e` failed a process's checkpoint: it runs again with its memory (and goes
+    /// to the driver path), or is stranded.
+    fn undo_one(&self, moved: &mut Moved, conn: &mut Conn, e: HookError) -> Outcome1 {
+        let p = &moved.process;
+        let (host_pid, ns_pid) = (p.host_pid, p.ns_pid);
+        match give_back_one(&self.image, moved, conn) {
+            Ok(()) => {
+                let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, ns_pid));
+                Outcome1::Fallback(e.to_string())
+            }
+            Err(undo) => Outcome1::Fatal(HookError::Stranded {
+                pid: host_pid,
+                cause: format!("{e}; then {undo}"),
+            }),
         }
     }
 
@@ -566,22 +664,108 @@ impl HookCheckpoint {
     }
 
     /// Every moved process gets its memory back and runs (after the driver's unlock:
-    /// the lock would block the hook's own CUDA calls). Tries all; returns the first
-    /// failure.
+    /// the lock would block the hook's own CUDA calls); snapshots are dropped (the
+    /// checkpoint failed, or CRIU's image will not be used). Tries all; returns the
+    /// first failure.
     pub fn give_back(mut self) -> Result<()> {
+        let given = self.give_back_all();
+        given.and(self.settle_snapshots(false))
+    }
+
+    /// [`HookCheckpoint::give_back`], then each snapshot is written into the image while
+    /// its process runs: the checkpoint's success path. Afterwards the record tells
+    /// what moved.
+    pub fn give_back_and_write(&mut self) -> Result<()> {
+        let given = self.give_back_all();
+        // A snapshot is written only when every process got its memory back.
+        let write = given.is_ok();
+        given.and(self.settle_snapshots(write))
+    }
+
+    /// Whether every moved process's memory is in the image (no snapshot unwritten).
+    pub fn images_complete(&self) -> bool {
+        self.moved.iter().all(|m| {
+            !matches!(
+                m.stage,
+                Stage::Snapshotted
+                    | Stage::SnapshotReattached
+                    | Stage::WritePending
+                    | Stage::Unwritten
+            )
+        })
+    }
+
+    fn give_back_all(&mut self) -> Result<()> {
         let mut first = None;
-        for mut m in std::mem::take(&mut self.moved) {
+        for m in &mut self.moved {
+            if matches!(
+                m.stage,
+                Stage::Done | Stage::WritePending | Stage::Unwritten
+            ) {
+                continue;
+            }
             let res = Conn::open(&m.process)
-                .and_then(|mut conn| give_back_one(&self.image, &mut m, &mut conn));
+                .and_then(|mut conn| give_back_one(&self.image, m, &mut conn));
             if let Err(e) = res {
                 tracing::error!(id = %self.id, pid = m.process.host_pid, "hook: {e}");
-                let e = match m.stage {
-                    Stage::Released => HookError::Stranded {
+                let e = match (m.stage, e) {
+                    (_, e @ HookError::Stranded { .. }) => e,
+                    (Stage::Released | Stage::Snapshotted, e) => HookError::Stranded {
                         pid: m.process.host_pid,
                         cause: e.to_string(),
                     },
-                    _ => e,
+                    (_, e) => e,
                 };
+                first.get_or_insert(e);
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Writes (or, without `write`, drops) every pending snapshot. Tries all; returns
+    /// the first failure.
+    fn settle_snapshots(&mut self, write: bool) -> Result<()> {
+        let root = self.image.join(IMAGE_DIR);
+        let mut first = None;
+        for m in &mut self.moved {
+            if m.stage != Stage::WritePending {
+                continue;
+            }
+            let pid = m.process.host_pid;
+            let res = Conn::open(&m.process).and_then(|mut conn| {
+                if !write {
+                    conn.call(&Request::DropSnapshot)?;
+                    return Ok(());
+                }
+                let t = Instant::now();
+                let dir = File::open(&root).map_err(|source| HookError::Io {
+                    pid,
+                    what: format!("opening {}", root.display()),
+                    source,
+                })?;
+                let name = PathBuf::from(m.process.ns_pid.to_string());
+                match conn.write_snapshot(&dir, &name) {
+                    Ok(bytes) => {
+                        m.record.copy_out_ms = ms_since(t);
+                        m.record.copy_out_bytes = bytes;
+                        tracing::info!(id = %self.id, pid, bytes, write_ms = m.record.copy_out_ms,
+                            "device memory snapshot written while the process runs");
+                        Ok(())
+                    }
+                    Err(e) => {
+                        if let Err(d) = conn.call(&Request::DropSnapshot) {
+                            tracing::warn!(id = %self.id, pid, "dropping the snapshot: {d}");
+                        }
+                        Err(e)
+                    }
+                }
+            });
+            m.stage = match (&res, write) {
+                (Ok(()), true) => Stage::Done,
+                _ => Stage::Unwritten,
+            };
+            if let Err(e) = res {
+                tracing::error!(id = %self.id, pid, "hook: {e}");
                 first.get_or_insert(e);
             }
         }
@@ -590,8 +774,25 @@ impl HookCheckpoint {
 }
 
 /// Reattach → Thaw when the memory was kept, else Remap → CopyIn → Thaw (also after a
-/// failed Reattach), or Thaw alone when nothing was released.
+/// failed Reattach), or Thaw alone when nothing was released. A snapshot's Reattach must
+/// work (its image is not written yet): it is that process's only way back.
 fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
+    if m.stage == Stage::Snapshotted {
+        let t = Instant::now();
+        let fds = std::mem::take(&mut m.fds);
+        conn.reattach(&m.held, &fds)
+            .map_err(|e| HookError::Stranded {
+                pid: m.process.host_pid,
+                cause: format!("its memory and snapshot could not be mapped back: {e}"),
+            })?;
+        tracing::info!(
+            pid = m.process.host_pid,
+            allocations = m.record.kept,
+            reattach_ms = ms_since(t),
+            "device memory and its snapshot given back by the hook (no copy-in)"
+        );
+        m.stage = Stage::SnapshotReattached;
+    }
     if m.stage == Stage::Released && !m.fds.is_empty() {
         let t = Instant::now();
         let fds = std::mem::take(&mut m.fds);
@@ -628,6 +829,10 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
         );
     }
     conn.call(&Request::Thaw)?;
+    m.stage = match m.stage {
+        Stage::SnapshotReattached => Stage::WritePending,
+        _ => Stage::Done,
+    };
     Ok(())
 }
 
@@ -648,7 +853,12 @@ pub fn copy_in_restored(
         };
         let mut conn = Conn::open(&process)?;
         let status = conn.status()?;
-        if status.state != CheckpointState::Released {
+        // Snapshotted: checkpointed with a snapshot, whose image was written before the
+        // checkpoint completed.
+        if !matches!(
+            status.state,
+            CheckpointState::Released | CheckpointState::Snapshotted
+        ) {
             return Err(HookError::Unexpected {
                 pid: p.ns_pid,
                 verb: Verb::Status,

@@ -17,10 +17,16 @@ struct FakeProcess {
 }
 
 fn fake(ns_pid: u32) -> FakeProcess {
+    fake_with(ns_pid, 0)
+}
+
+/// A fake process whose snapshots must leave `headroom` bytes of its device free.
+fn fake_with(ns_pid: u32, headroom: u64) -> FakeProcess {
     let driver = Arc::new(FakeDriver::default());
     let opts = FastPathOptions {
         pid: Some(ns_pid),
         freeze_timeout: Duration::from_secs(10),
+        snapshot_headroom: headroom,
         ..FastPathOptions::default()
     };
     let hook = Hook::new(driver.clone(), opts).unwrap();
@@ -86,7 +92,7 @@ fn checkpoint_moves_memory_and_gives_it_back() {
     let procs = [fake(11), fake(12)];
     let image = tempfile::tempdir().unwrap();
     let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
-    let cp = copy_out("c", &targets, image.path(), false).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false, false).unwrap();
     for p in &procs {
         assert_eq!(p.hook.state(), CheckpointState::Released);
         assert!(HookRecord::image_of(image.path(), p.process.ns_pid).is_dir());
@@ -124,7 +130,14 @@ fn damage_image(image: &Path, ns_pid: u32) {
 fn leave_running_keeps_the_memory_on_the_gpu_and_reattaches_it() {
     let p = fake(13);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), true).unwrap();
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        true,
+        false,
+    )
+    .unwrap();
     assert_eq!(p.hook.state(), CheckpointState::Released);
     let record = cp.record();
     assert_eq!(record.processes[0].kept, 3, "{record:?}");
@@ -142,7 +155,14 @@ fn leave_running_keeps_the_memory_on_the_gpu_and_reattaches_it() {
 fn kept_memory_that_cannot_be_reattached_is_copied_in() {
     let p = fake(14);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), true).unwrap();
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        true,
+        false,
+    )
+    .unwrap();
     p.driver.fail_nth(DriverCall::Import, 1);
     cp.give_back().unwrap();
     p.assert_intact();
@@ -150,7 +170,14 @@ fn kept_memory_that_cannot_be_reattached_is_copied_in() {
     // A driver that cannot export: nothing kept, the usual Remap and CopyIn.
     let q = fake(15);
     q.driver.set_no_export(true);
-    let cp = copy_out("c", std::slice::from_ref(&q.process), image.path(), true).unwrap();
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&q.process),
+        image.path(),
+        true,
+        false,
+    )
+    .unwrap();
     assert_eq!(cp.record().processes[0].kept, 0);
     cp.give_back().unwrap();
     q.assert_intact();
@@ -169,7 +196,7 @@ fn unsupported_memory_or_a_dead_socket_leaves_the_process_to_the_driver() {
     };
     let image = tempfile::tempdir().unwrap();
     let targets = [odd.process.clone(), dead, good.process.clone()];
-    let cp = copy_out("c", &targets, image.path(), false).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false, false).unwrap();
     let record = cp.record();
     assert_eq!(record.processes.len(), 1);
     assert_eq!(record.processes[0].ns_pid, 22);
@@ -192,7 +219,7 @@ fn a_failed_copy_out_or_release_thaws_and_falls_back() {
     let release_fails = fake(32);
     release_fails.driver.fail_nth(DriverCall::Release, 1);
     let targets = [copy_fails.process.clone(), release_fails.process.clone()];
-    let cp = copy_out("c", &targets, image.path(), false).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false, false).unwrap();
     let record = cp.record();
     assert!(record.processes.is_empty(), "{record:?}");
     assert_eq!(record.fallbacks.len(), 2);
@@ -210,7 +237,7 @@ fn give_back_tries_every_process_and_reports_the_stranded_one() {
     let procs = [fake(41), fake(42)];
     let image = tempfile::tempdir().unwrap();
     let targets: Vec<_> = procs.iter().map(|p| p.process.clone()).collect();
-    let cp = copy_out("c", &targets, image.path(), false).unwrap();
+    let cp = copy_out("c", &targets, image.path(), false, false).unwrap();
     procs[0].driver.fail_next(DriverCall::Create);
     let err = cp.give_back().unwrap_err();
     assert!(matches!(err, HookError::Stranded { .. }), "{err}");
@@ -224,7 +251,14 @@ fn a_restored_process_gets_its_memory_from_the_image() {
     let me = std::process::id();
     let p = fake(me);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), false).unwrap();
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        false,
+        false,
+    )
+    .unwrap();
     let record = cp.record();
     // As after CRIU's restore: the hook answers in the new socket directory, Released.
     let socket_dir = p.process.socket.parent().unwrap();
@@ -240,7 +274,14 @@ fn a_restored_process_gets_its_memory_from_the_image() {
 fn a_damaged_or_missing_hook_image_is_refused() {
     let p = fake(51);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out("c", std::slice::from_ref(&p.process), image.path(), false).unwrap();
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        false,
+        false,
+    )
+    .unwrap();
     let record = cp.record();
     cp.give_back().unwrap();
     record.validate(image.path()).unwrap();
@@ -256,4 +297,117 @@ fn a_damaged_or_missing_hook_image_is_refused() {
     assert!(HookRecord::load(tempfile::tempdir().unwrap().path())
         .unwrap()
         .is_none());
+}
+
+#[test]
+fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
+    // Named by this process's pid, as a restored process's socket is found.
+    let me = std::process::id();
+    let p = fake(me);
+    let image = tempfile::tempdir().unwrap();
+    let mut cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
+    let record = cp.record();
+    assert_eq!(record.processes[0].kept, 3, "{record:?}");
+    assert!(
+        !HookRecord::image_of(image.path(), me).exists(),
+        "not written yet"
+    );
+    assert!(!cp.images_complete());
+    cp.give_back_and_write().unwrap();
+    assert!(cp.images_complete());
+    p.assert_intact();
+    let record = cp.record();
+    assert_eq!(record.processes[0].copy_out_bytes, 50_000 + 51_000 + 52_000);
+    record.validate(image.path()).unwrap();
+    // A process restored from it (Snapshotted in the dump, no fds) copies it in.
+    let again = tempfile::tempdir().unwrap();
+    let cp2 = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        again.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    drop(cp2);
+    assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
+    let socket_dir = p.process.socket.parent().unwrap();
+    copy_in_restored("c", socket_dir, image.path(), &record).unwrap();
+    p.assert_intact();
+}
+
+#[test]
+fn without_room_for_a_snapshot_the_memory_is_copied_out_while_frozen() {
+    let p = fake_with(17, 1 << 40);
+    let image = tempfile::tempdir().unwrap();
+    let mut cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    assert_eq!(p.hook.state(), CheckpointState::Released);
+    let record = cp.record();
+    assert_eq!(record.processes[0].snapshot_ms, 0);
+    assert_eq!(record.processes[0].kept, 3);
+    record.validate(image.path()).unwrap();
+    cp.give_back_and_write().unwrap();
+    assert!(cp.images_complete());
+    p.assert_intact();
+}
+
+#[test]
+fn a_failed_checkpoint_drops_the_snapshot_and_a_failed_write_is_reported() {
+    let image = tempfile::tempdir().unwrap();
+    // The dump failed: memory back, snapshot dropped, nothing written.
+    let p = fake(18);
+    let cp = copy_out(
+        "c",
+        std::slice::from_ref(&p.process),
+        image.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    cp.give_back().unwrap();
+    p.assert_intact();
+    assert!(!HookRecord::image_of(image.path(), 18).exists());
+    // The write fails: the process runs on, the checkpoint is incomplete.
+    let q = fake(19);
+    let mut cp = copy_out(
+        "c",
+        std::slice::from_ref(&q.process),
+        image.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    q.driver.fail_next(DriverCall::CopyToHost);
+    assert!(cp.give_back_and_write().is_err());
+    assert!(!cp.images_complete());
+    q.assert_intact();
+    // The snapshot cannot be mapped back: stranded, said so.
+    let r = fake(20);
+    let mut cp = copy_out(
+        "c",
+        std::slice::from_ref(&r.process),
+        image.path(),
+        true,
+        true,
+    )
+    .unwrap();
+    r.driver.fail_next(DriverCall::Import);
+    let err = cp.give_back_and_write().unwrap_err();
+    assert!(matches!(err, HookError::Stranded { .. }), "{err}");
+    assert!(!cp.images_complete());
 }
