@@ -129,6 +129,18 @@ impl Containerd {
             Some(p) => p.to_path_buf(),
             None => self.dir().join(format!("ckpt-{id}-{}", std::process::id())),
         };
+        self.shim_checkpoint(id, &dir, flags)?;
+        Ok(CheckpointOutcome::Dir(dir))
+    }
+
+    /// The shim's Checkpoint RPC into directory `dir` with `flags`, straight over ttrpc:
+    /// unlike containerd's client (ctr, CRI), nothing pauses the task first.
+    pub fn shim_checkpoint(
+        &self,
+        id: &str,
+        dir: &std::path::Path,
+        flags: &CheckpointFlags<'_>,
+    ) -> Result<()> {
         let options = containerd_shim_protos::shim::oci::CheckpointOptions {
             exit: flags.exit,
             image_path: dir.to_string_lossy().into_owned(),
@@ -151,7 +163,7 @@ impl Containerd {
         };
         let (client, ctx) = self.shim_client(id)?;
         client.checkpoint(ctx, &request)?;
-        Ok(CheckpointOutcome::Dir(dir))
+        Ok(())
     }
 
     /// Restores container `id` (which must not exist) from a checkpoint `outcome`; `image` and

@@ -157,10 +157,15 @@ impl Hooked {
     /// Runs cuda_app with `io.gpucr.hook=<hook>` and waits until it checked its memory
     /// twice; returns the task's host pid and the memory's hash.
     fn run_app(&self, id: &str, hook: &str) -> (u32, String) {
+        self.run_app_with(id, hook, &[])
+    }
+
+    /// [`Hooked::run_app`] with more `VAR=value` settings in the program's environment.
+    fn run_app_with(&self, id: &str, hook: &str, env: &[&str]) -> (u32, String) {
         let annotation = format!("io.gpucr.hook={hook}");
         let ld_path = format!("LD_LIBRARY_PATH={}", library_path());
         let mem_log = format!("GPUCR_FAKE_CUDA_MEM_LOG={MEM_LOG}");
-        let flags = [
+        let mut flags = vec![
             "--annotation",
             &annotation,
             "--env",
@@ -170,6 +175,9 @@ impl Hooked {
             "--env",
             "GPUCR_HOOK_LOG=1",
         ];
+        for e in env {
+            flags.extend(["--env", e]);
+        }
         let args = ["/usr/bin/cuda_app", "loop", HASH_FILE].map(String::from);
         self.ctd
             .run_detached_with(id, APP_IMAGE, &flags, &args)
@@ -425,6 +433,76 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
     g.ctd.remove_container(&id).unwrap();
     let _ = g.ctd.remove_image(&reference);
     drop(g.fake);
+}
+
+#[test]
+fn snapshot_checkpoint_is_written_while_the_task_runs_and_restores() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-snap");
+    let (_pid, hash) = g.run_app(&id, "on");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    // The shim's Checkpoint on the running task (containerd's client would pause it
+    // first, and a paused task's memory is copied out while frozen).
+    let dir = g.ctd.dir().join(format!("snap-{id}"));
+    g.ctd
+        .shim_checkpoint(&id, &dir, &CheckpointFlags::default())
+        .unwrap_or_else(|e| panic!("checkpoint: {e}\nshim log: {}", g.shim_log()));
+    assert_hook_record(&std::fs::read(dir.join("gpucr-hook.json")).unwrap());
+    assert!(dir.join("gpu-hook/1/manifest.json").is_file());
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    // The free memory asked, both allocations copied into one snapshot on the device,
+    // all three exported and imported back, then the image written from the snapshot.
+    assert!(
+        g.count_ok(&id, "cuMemGetInfo_v2") >= 1,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    assert_eq!(
+        g.count_ok(&id, "cuMemExportToShareableHandle"),
+        3,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    assert_eq!(
+        g.count_ok(&id, "cuMemImportFromShareableHandle"),
+        3,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    // Two into the snapshot, two moving the reattached allocations onto new memory.
+    assert_eq!(
+        g.count_ok(&id, "cuMemcpyDtoD_v2"),
+        4,
+        "{:#?}",
+        g.mem_log(&id)
+    );
+    let log = g.shim_log();
+    assert!(
+        log.contains("device memory and its snapshot given back by the hook (no copy-in)"),
+        "{log}"
+    );
+    assert!(
+        log.contains("device memory snapshot written while the process runs"),
+        "{log}"
+    );
+    // Restored from that image: the process wakes up Snapshotted and gets its memory
+    // from the image written after the thaw.
+    g.ctd.remove_container(&id).unwrap();
+    g.ctd
+        .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
+        .unwrap_or_else(|e| panic!("restore: {e}\nshim log: {}", g.shim_log()));
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    assert!(
+        g.shim_log()
+            .contains("restored process's device memory copied in"),
+        "{}",
+        g.shim_log()
+    );
+    g.ctd.remove_container(&id).unwrap();
 }
 
 #[test]

@@ -295,6 +295,27 @@ pub unsafe extern "C" fn cuMemCreate(
     log(format_args!("cuMemCreate {size} handle={h}"), SUCCESS)
 }
 
+/// Free and total "device memory": `$GPUCR_FAKE_CUDA_MEM_TOTAL` bytes (default 64 GiB)
+/// less the physical memory this process holds.
+///
+/// # Safety
+/// `free` and `total` valid for writes.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CuResult {
+    need_ctx!("cuMemGetInfo_v2");
+    if free.is_null() || total.is_null() {
+        return log(format_args!("cuMemGetInfo_v2"), INVALID_VALUE);
+    }
+    let all = std::env::var("GPUCR_FAKE_CUDA_MEM_TOTAL")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(64 << 30);
+    let used: usize = with_tables(|t| t.physical.values().map(|(_, size)| size).sum());
+    *total = all;
+    *free = all.saturating_sub(used);
+    log(format_args!("cuMemGetInfo_v2 free={}", *free), SUCCESS)
+}
+
 #[no_mangle]
 pub extern "C" fn cuMemRelease(handle: c_ulonglong) -> CuResult {
     need_ctx!("cuMemRelease");
@@ -838,6 +859,7 @@ fn export(name: &str) -> Option<*mut c_void> {
         cuMemExportToShareableHandle,
         cuMemImportFromShareableHandle,
         cuMemRelease,
+        cuMemGetInfo_v2,
         cuMemMap,
         cuMemSetAccess,
         cuMemUnmap,
