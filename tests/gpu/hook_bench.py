@@ -18,6 +18,10 @@ One process, side by side:
   keep, keepincr  fast and fastincr as the shim runs them now: Release {keep} hands the
           memory's fds to this script, which holds them across the driver's cycle, and
           Reattach maps the same memory back (no Remap, no CopyIn)
+  snap, snapincr  a leave-running checkpoint of a running task as the shim runs it now:
+          Freeze -> Snapshot (device-to-device copy, all released and kept) -> driver
+          cycle -> Reattach -> Thaw, then WriteSnapshot (the image) while the workload
+          runs; snapincr with the snap image as parent
 Every result is one JSON line in --out; a summary line per phase goes to stdout.
 """
 import argparse
@@ -51,6 +55,27 @@ def gh1_check(image_dir, record):
         record("gh1", image=os.path.basename(image_dir), checked=checked, mismatches=bad, first=first)
 
 
+def compare_images(a, b):
+    """Chunks of the allocations both images hold, by address: how many have the same
+    content (gh1 digest, or CRC32C where there is none; zero chunks by their mark), per
+    allocation size."""
+    def chunks(d):
+        m = json.load(open(os.path.join(d, "manifest.json")))
+        out = {}
+        for al in m["allocations"]:
+            out[al["va"]] = (al["size"], ["zero" if c["at"] == "zero"
+                                          else c.get("gpu_hash") or c.get("crc32c")
+                                          for c in al["chunks"]])
+        return out
+    ca, cb = chunks(a), chunks(b)
+    per = []
+    for va in sorted(set(ca) & set(cb)):
+        (size, xa), (_, xb) = ca[va], cb[va]
+        per.append({"mib": size >> 20, "chunks": len(xa),
+                    "same": sum(1 for x, y in zip(xa, xb) if x == y)})
+    return {"allocations": per, "only_in_one": len(set(ca) ^ set(cb))}
+
+
 class Hook:
     def __init__(self, path):
         self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,8 +99,15 @@ class Hook:
 
     def release(self, keep):
         """Release; with keep, also the fds of the kept memory (batches after the reply)."""
-        ms, body = self.call("Release", keep=keep)
-        held = body.get("held") or []
+        return self.with_fds("Release", keep=keep)
+
+    def snapshot(self):
+        """Snapshot: the fds of the memory and of the snapshot follow the reply."""
+        return self.with_fds("Snapshot")
+
+    def with_fds(self, verb, **args):
+        ms, body = self.call(verb, **args)
+        held = body.get("held") or body.get("release", {}).get("held") or []
         fds = []
         t0 = time.monotonic()
         while len(fds) < len(held):
@@ -297,6 +329,41 @@ def main():
                    copy_in_ms=round(c["ci"], 1), thaw_ms=round(c["th"], 1),
                    pause_ms=round(c["total"], 1), out_profile=rep.get("profile"))
 
+        def snapshot_cycle(img, parent):
+            """Freeze -> Snapshot -> driver lock+checkpoint (of the rest) -> restore+unlock
+            -> Reattach -> Thaw (the workload's pause), then WriteSnapshot while it runs."""
+            c = {}
+            t0 = time.monotonic()
+            c["fz"], _ = h.call("Freeze")
+            c["sn"], c["snap"], held, fds = h.snapshot()
+            c["q"] = drive(a.drive, "quiesce", proc.pid)
+            c["r"] = drive(a.drive, "resume", proc.pid)
+            c["kept"] = len(fds)
+            c["ra"] = h.reattach(held, fds)
+            c["th"], _ = h.call("Thaw")
+            c["pause"] = (time.monotonic() - t0) * 1000
+            step0 = last_step(steps)
+            c["wr"], c["rep"] = h.call("WriteSnapshot", image_dir=img, parent=parent)
+            c["total"] = (time.monotonic() - t0) * 1000
+            c["steps_during_write"] = last_step(steps) - step0
+            return c
+
+        def record_snap(phase, c):
+            rep, q, r, sn = c["rep"], c["q"], c["r"], c["snap"]
+            record(phase, kept=c["kept"], pause_ms=round(c["pause"], 1),
+                   freeze_ms=round(c["fz"], 1), snapshot_ms=round(c["sn"], 1),
+                   snapshot_copy_ms=round(sn.get("copy_seconds", 0) * 1000, 1),
+                   snapshot_mib=sn.get("snapshot_bytes", 0) >> 20,
+                   driver_lock_ms=q.get("lock"), driver_d2h_ms=q.get("checkpoint"),
+                   driver_h2d_ms=r.get("restore"), driver_unlock_ms=r.get("unlock"),
+                   reattach_ms=round(c["ra"], 1), thaw_ms=round(c["th"], 1),
+                   write_ms=round(c["wr"], 1),
+                   write_gbps=round(rep.get("bytes", 0) / c["wr"] / 1e6, 2),
+                   copied_mib=rep.get("copied_bytes", 0) >> 20,
+                   parent_chunks=rep.get("parent_chunks"), total_ms=round(c["total"], 1),
+                   steps_during_write=c["steps_during_write"],
+                   peak_rss_growth_mib=c.get("peak", 0) >> 20, out_profile=rep.get("profile"))
+
         if "fast" in phases:
             wait_step(steps, proc.pid, last_step(steps) + 1, 30)
             s = RssSampler(proc.pid)
@@ -351,6 +418,28 @@ def main():
                 record_keep("keepincr", leave_running_cycle(img6, img5, keep=True))
                 shutil.rmtree(img6, ignore_errors=True)
             shutil.rmtree(img5, ignore_errors=True)
+
+        if "snap" in phases:
+            img7 = os.path.join(a.tmpfs, f"img7-{label}")
+            shutil.rmtree(img7, ignore_errors=True)
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            s = RssSampler(proc.pid)
+            s.start()
+            c = snapshot_cycle(img7, None)
+            c["peak"] = s.done()
+            record_snap("snap", c)
+            gh1_check(img7, record)
+            if os.path.isdir(img1):
+                # The same static memory copied out while frozen (fast) and from the
+                # snapshot: every static chunk must match.
+                record("snap-vs-fast", **compare_images(img1, img7))
+            if "snapincr" in phases:
+                img8 = os.path.join(a.tmpfs, f"img8-{label}")
+                shutil.rmtree(img8, ignore_errors=True)
+                wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+                record_snap("snapincr", snapshot_cycle(img8, img7))
+                shutil.rmtree(img8, ignore_errors=True)
+            shutil.rmtree(img7, ignore_errors=True)
 
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")
