@@ -43,8 +43,8 @@ pub trait Engine: Send {
     fn copy_in(&self, dir: &Path) -> Result<CopyInReport, Self::Error>;
     fn thaw(&self) -> Result<(), Self::Error>;
     fn status(&self, state: CheckpointState) -> HookStatus;
-    /// Copies every allocation into a snapshot on the device, then releases and keeps
-    /// it all as `release(true)` does, the snapshot's fd last. An error changes nothing.
+    /// Copies every allocation into a snapshot on the device, then releases the
+    /// snapshot (kept: its fd returned) and every allocation. An error changes nothing.
     fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), Self::Error>;
     /// Writes the snapshot into a new image, then frees it.
     fn write_snapshot(

@@ -969,38 +969,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         } else {
             Vec::new()
         };
-        self.release_all(mapped, exported)
-    }
-
-    /// Releases `mapped`; the memory of `exported` (all of it, or none) is kept: its
-    /// addresses are recorded for Reattach and its fds returned.
-    fn release_all(
-        &self,
-        mapped: Vec<Allocation>,
-        exported: Vec<(DevicePtr, OwnedFd)>,
-    ) -> Result<(MemoryReport, Vec<OwnedFd>), FastPathError> {
-        let mut report = MemoryReport::default();
-        let mut released = Vec::new();
-        for alloc in mapped {
-            if let Err(source) = self.allocator.release(alloc.va) {
-                // Unmapped but not released still counts: its memory is gone.
-                if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
-                    released.push(alloc.clone());
-                }
-                let undo = match self.undo_release(&released, exported) {
-                    Ok(()) => format!("{} released allocation(s) restored", released.len()),
-                    Err(e) => format!("restoring the released allocations failed: {e}"),
-                };
-                return Err(FastPathError::ReleaseFailed {
-                    va: alloc.va,
-                    source,
-                    undo,
-                });
-            }
-            report.allocations += 1;
-            report.bytes += alloc.mapped_size;
-            released.push(alloc);
-        }
+        let mut report = self.release_each(&mapped, |r| self.undo_release(r, &exported))?;
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
         kept.clear();
         let mut fds = Vec::with_capacity(exported.len());
@@ -1012,10 +981,42 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         Ok((report, fds))
     }
 
-    /// Every allocation's memory exported as an fd, or why not: the fds (and one more,
-    /// a snapshot's) must fit the process's fd limit and every export must work.
+    /// Releases `mapped`, all or nothing: when one fails, `undo` is given the ones
+    /// released before it (and it, when unmapped) to give them their memory back.
+    fn release_each(
+        &self,
+        mapped: &[Allocation],
+        undo: impl FnOnce(&[Allocation]) -> Result<(), FastPathError>,
+    ) -> Result<MemoryReport, FastPathError> {
+        let mut report = MemoryReport::default();
+        let mut released = Vec::new();
+        for alloc in mapped {
+            if let Err(source) = self.allocator.release(alloc.va) {
+                // Unmapped but not released still counts: its memory is gone.
+                if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
+                    released.push(alloc.clone());
+                }
+                let undo = match undo(&released) {
+                    Ok(()) => format!("{} released allocation(s) restored", released.len()),
+                    Err(e) => format!("restoring the released allocations failed: {e}"),
+                };
+                return Err(FastPathError::ReleaseFailed {
+                    va: alloc.va,
+                    source,
+                    undo,
+                });
+            }
+            report.allocations += 1;
+            report.bytes += alloc.mapped_size;
+            released.push(alloc.clone());
+        }
+        Ok(report)
+    }
+
+    /// Every allocation's memory exported as an fd, or why not: the fds must fit the
+    /// process's fd limit and every export must work.
     fn export_all(&self, allocs: &[Allocation]) -> Result<Vec<(DevicePtr, OwnedFd)>, String> {
-        make_fd_room(allocs.len() + 1)?;
+        make_fd_room(allocs.len())?;
         let mut out = Vec::with_capacity(allocs.len());
         for a in allocs {
             match self.allocator.export(a.va) {
@@ -1027,9 +1028,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         Ok(out)
     }
 
-    /// Copies every allocation into a snapshot on the device, then releases them and
-    /// the snapshot, all kept (fds returned, the snapshot's last). Nothing changes when
-    /// it fails: the memory cannot be kept, no room for the snapshot, a driver error.
+    /// Copies every allocation into a snapshot on the device, releases the snapshot's
+    /// memory kept (its fd returned) and every allocation's (freed: Reattach refills
+    /// them from the snapshot, device to device). Nothing changes when it fails: no room
+    /// for the snapshot, it cannot be exported, a driver error.
     pub fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), FastPathError> {
         if !(self.opts.snapshot && self.opts.keep) {
             return Err(FastPathError::NoSnapshot(
@@ -1037,9 +1039,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             ));
         }
         let mapped = self.mapped()?;
-        let exported = self
-            .export_all(&mapped)
-            .map_err(FastPathError::NotKeepable)?;
+        make_fd_room(1).map_err(FastPathError::NotKeepable)?;
         let t = Instant::now();
         let mut snap = Snapshot::take(self.driver(), &mapped, self.opts.snapshot_headroom)?;
         let copy_seconds = t.elapsed().as_secs_f64();
@@ -1057,32 +1057,62 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 return Err(e.into());
             }
         };
-        if let Err(e) = snap.release(driver) {
-            snap.free(driver);
-            return Err(e.into());
-        }
-        let (mut release, mut fds) = match self.release_all(mapped, exported) {
-            Ok(done) => done,
+        let vas = |r: &[Allocation]| r.iter().map(|a| a.va).collect::<Vec<_>>();
+        let mut release = match self.release_each(&mapped, |r| self.refill_from(&snap, &vas(r))) {
+            Ok(report) => report,
             Err(e) => {
                 snap.free(driver);
                 return Err(e);
             }
         };
-        self.kept
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(snap.va(), fd_identity(fd.as_fd()));
+        if let Err(e) = snap.release(driver) {
+            // The snapshot is the released allocations' only copy: mapped again (through
+            // its fd if its own release got that far), it refills them.
+            let undo = snap
+                .reattach(driver, fd.as_fd())
+                .map_err(FastPathError::from)
+                .and_then(|()| self.refill_from(&snap, &vas(&mapped)));
+            snap.free(driver);
+            return Err(match undo {
+                Ok(()) => e.into(),
+                Err(u) => FastPathError::NotKeepable(format!(
+                    "{e}; restoring the released allocations from the snapshot failed: {u}"
+                )),
+            });
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        kept.clear();
+        kept.insert(snap.va(), fd_identity(fd.as_fd()));
+        drop(kept);
         release.held.push(snap.va());
-        fds.push(fd);
         let report = SnapshotReport {
             release,
             snapshot_bytes: snap.size(),
             copy_seconds,
         };
-        tracing::info!(?report.release.allocations, bytes = snap.size(), copy_seconds,
-            "device memory snapshot taken on the device and released with it");
+        tracing::info!(
+            allocations = report.release.allocations,
+            bytes = snap.size(),
+            copy_seconds,
+            "device memory snapshot taken on the device; memory released"
+        );
         *self.snapshot.lock().unwrap_or_else(|p| p.into_inner()) = Some(snap);
-        Ok((report, fds))
+        Ok((report, vec![fd]))
+    }
+
+    /// Gives each released allocation of `vas` new memory, filled from its copy in
+    /// `snap` (mapped), device to device.
+    fn refill_from(&self, snap: &Snapshot, vas: &[DevicePtr]) -> Result<(), FastPathError> {
+        for (alloc, src) in snap.sources() {
+            if !vas.contains(&alloc.va) {
+                continue;
+            }
+            if self.allocator.get(alloc.va).map(|a| a.state) == Some(AllocState::Released) {
+                self.allocator.remap(alloc.va)?;
+            }
+            self.driver().copy_device(alloc.va, src, alloc.size)?;
+        }
+        Ok(())
     }
 
     /// Writes the snapshot (mapped again: after Reattach) into a new image at
@@ -1157,15 +1187,31 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 Some(snap) => snap.reattach(self.driver(), fd.as_fd())?,
                 None => {
                     self.allocator.reattach(*va, fd.as_fd())?;
-                    report.allocations += 1;
-                    report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
                     allocations.push(*va);
                 }
             }
             kept.remove(va);
         }
-        drop((kept, snapshot));
-        self.make_exportable(&allocations);
+        drop(kept);
+        // After a snapshot the allocations were freed: new memory, filled from it.
+        if let Some(snap) = snapshot.as_ref() {
+            let released: Vec<_> = self
+                .allocator
+                .table()
+                .iter()
+                .filter(|a| a.state == AllocState::Released)
+                .map(|a| a.va)
+                .collect();
+            self.refill_from(snap, &released)?;
+            allocations.extend(released);
+        } else {
+            self.make_exportable(&allocations);
+        }
+        drop(snapshot);
+        for va in &allocations {
+            report.allocations += 1;
+            report.bytes += self.allocator.get(*va).map_or(0, |a| a.mapped_size);
+        }
         Ok(report)
     }
 
@@ -1190,17 +1236,19 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     fn undo_release(
         &self,
         released: &[Allocation],
-        exported: Vec<(DevicePtr, OwnedFd)>,
+        exported: &[(DevicePtr, OwnedFd)],
     ) -> Result<(), FastPathError> {
-        let exported: BTreeMap<_, _> = exported.into_iter().collect();
         let mut refill = Vec::new();
+        let mut reattached = Vec::new();
         for alloc in released {
-            match exported.get(&alloc.va) {
-                Some(fd) => self.allocator.reattach(alloc.va, fd.as_fd())?,
+            match exported.iter().find(|(va, _)| *va == alloc.va) {
+                Some((va, fd)) => {
+                    self.allocator.reattach(*va, fd.as_fd())?;
+                    reattached.push(*va);
+                }
                 None => refill.push(alloc.clone()),
             }
         }
-        let reattached: Vec<_> = exported.keys().copied().collect();
         self.make_exportable(&reattached);
         let released = refill;
         if released.is_empty() {

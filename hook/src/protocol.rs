@@ -21,12 +21,14 @@
 //! gives them back the same way (the request frame, then the batches) and the hook maps
 //! them at their addresses again: no copy-in.
 //!
-//! **Snapshot.** `Snapshot` (while Frozen) is a Release with `keep` that first copies every
-//! allocation device to device into one region of new memory: the reply's `held` ends
-//! with that region's address and the fds with its memory. After Reattach and Thaw the
-//! workload runs while `WriteSnapshot` writes the image from the snapshot (its directory
-//! like CopyOut's); `DropSnapshot` frees a snapshot that will not be written. A leave-
-//! running checkpoint then pauses the workload only for the driver's cycle and the dump.
+//! **Snapshot.** `Snapshot` (while Frozen) copies every allocation device to device into
+//! one region of new memory, exports that region (the reply's `held` is its address, one
+//! fd follows as after Release) and releases it and every allocation. `Reattach` with
+//! that fd maps the snapshot again and refills new memory for every allocation from it,
+//! device to device. After Thaw the workload runs while `WriteSnapshot` writes the image
+//! from the snapshot (its directory like CopyOut's); `DropSnapshot` frees a snapshot that
+//! will not be written. A leave-running checkpoint then pauses the workload only for the
+//! driver's cycle and the dump.
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -75,9 +77,9 @@ pub enum Request {
     Reattach { held: Vec<u64> },
     /// Fill every allocation from the image at `image_dir`.
     CopyIn { image_dir: PathBuf },
-    /// Copy every allocation into a snapshot on the device, then release it all as
-    /// Release with `keep` does (the snapshot's fd last). Refused (state unchanged) when
-    /// the memory cannot be kept or the device has no room for the snapshot.
+    /// Copy every allocation into a snapshot on the device, then release the snapshot
+    /// (kept: its fd follows the reply) and every allocation. Refused (state unchanged)
+    /// when the device has no room for the snapshot or it cannot be exported.
     Snapshot,
     /// Write the snapshot into a new image at `image_dir` (a delta of `parent` when
     /// given), as CopyOut would have written the memory at the freeze; then free it.
@@ -158,10 +160,10 @@ pub enum CheckpointState {
     CopiedIn,
     /// The kept memory is mapped again: contents as at the release; Thaw is next.
     Reattached,
-    /// The memory and a snapshot of it released, their fds held by the shim. (A process
+    /// The memory freed, a snapshot of it held by the shim (its fd). (A process
     /// restored from such a checkpoint wakes up here: Remap and CopyIn from the image.)
     Snapshotted,
-    /// The kept memory and the snapshot mapped again; Thaw is next.
+    /// The memory back from the snapshot, still mapped for the write; Thaw is next.
     SnapshotReattached,
     /// Running, with a snapshot to write (WriteSnapshot) or drop (DropSnapshot).
     WritePending,
@@ -191,7 +193,7 @@ pub enum Outcome {
     SnapshotDropped,
 }
 
-/// A snapshot's result: the release (its `held` ends with the snapshot's address), the
+/// A snapshot's result: the release (its `held` is the snapshot's address), the
 /// snapshot's size and how long the device-to-device copy took.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotReport {

@@ -2,11 +2,12 @@
 //! (HBM speed: 16 GiB in about 10 ms on the H200) into one region of new memory, so a
 //! leave-running checkpoint can let the workload run again before the image is written.
 //!
-//! The region is exportable memory like the allocations: across the driver's checkpoint
-//! it is released and held by the shim as an fd with the kept allocations (the driver
-//! then moves none of it), reattached with them, and written into the image after the
-//! thaw, while the workload runs. It is not an allocation of the application: it is never
-//! in the [`crate::alloc::AllocTable`], and it is freed once written.
+//! The region is exportable memory: across the driver's checkpoint it is released and
+//! held by the shim as an fd (the driver moves none of it) while the allocations' own
+//! memory is freed; reattached, it refills new memory for them device to device, and is
+//! written into the image after the thaw, while the workload runs. It is not an
+//! allocation of the application: it is never in the [`crate::alloc::AllocTable`], and it
+//! is freed once written.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 

@@ -12,11 +12,11 @@
 //! The image is written all the same; a failed Reattach falls back to Remap → CopyIn.
 //!
 //! With `snapshot` (leave-running, task not paused), the hook is asked to Snapshot instead
-//! of CopyOut + Release: it copies its memory device to device into a snapshot and
-//! releases both, kept. After the dump the process gets its memory back and runs
-//! (Reattach → Thaw) and only then is the snapshot written into the image
-//! (WriteSnapshot), while the workload runs: the pause no longer includes the copy to
-//! the host. A hook that cannot (no room on the device, memory not exportable) answers
+//! of CopyOut + Release: it copies its memory device to device into a snapshot, whose fd
+//! this shim holds, and frees the memory itself. After the dump the process gets its
+//! memory back from the snapshot (Reattach: device to device) and runs (Thaw), and only
+//! then is the snapshot written into the image (WriteSnapshot), while the workload runs:
+//! the pause no longer includes the copy to the host. A hook that cannot (no room on the device, memory not exportable) answers
 //! with an error and the copy-out path is used. The snapshot's image is written before
 //! the checkpoint completes; until then the shim's fds are the only copy of the state.
 //!
@@ -439,9 +439,9 @@ enum Stage {
     Released,
     /// The kept memory is mapped again: Thaw is all that is left.
     Reattached,
-    /// Memory and its snapshot released, held by this shim: Reattach → Thaw → write.
+    /// Memory freed, its snapshot held by this shim: Reattach → Thaw → write.
     Snapshotted,
-    /// Memory and snapshot mapped again: Thaw, then the snapshot's write.
+    /// Memory back from the snapshot: Thaw, then the snapshot's write.
     SnapshotReattached,
     /// Running; the snapshot is still to be written (or dropped).
     WritePending,
@@ -585,7 +585,7 @@ impl HookCheckpoint {
         let t = Instant::now();
         conn.call(&Request::Freeze).map_err(fallback)?;
         moved.record.freeze_ms = ms_since(t);
-        if self.snapshot && fds_fit(p.host_pid, status.allocations + 1) {
+        if self.snapshot && fds_fit(p.host_pid, 1) {
             let t = Instant::now();
             match conn.snapshot() {
                 Ok((report, fds)) => {
@@ -783,13 +783,13 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
         conn.reattach(&m.held, &fds)
             .map_err(|e| HookError::Stranded {
                 pid: m.process.host_pid,
-                cause: format!("its memory and snapshot could not be mapped back: {e}"),
+                cause: format!("its snapshot could not be mapped back: {e}"),
             })?;
         tracing::info!(
             pid = m.process.host_pid,
             allocations = m.record.kept,
             reattach_ms = ms_since(t),
-            "device memory and its snapshot given back by the hook (no copy-in)"
+            "device memory given back by the hook from its snapshot on the GPU (no copy-in)"
         );
         m.stage = Stage::SnapshotReattached;
     }
