@@ -879,8 +879,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let sources: Vec<_> = self
             .mapped()?
             .into_iter()
-            .map(|a| (a.va, a))
-            .map(|(va, a)| (a, va))
+            .map(|a| {
+                let va = a.va;
+                (a, va)
+            })
             .collect();
         self.write_image(image_dir, parent, &sources)
     }

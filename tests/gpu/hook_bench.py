@@ -22,6 +22,9 @@ One process, side by side:
           Freeze -> Snapshot (device-to-device copy, all released and kept) -> driver
           cycle -> Reattach -> Thaw, then WriteSnapshot (the image) while the workload
           runs; snapincr with the snap image as parent
+  same    a full copy-out, Thaw, and at once Freeze and a second copy-out with the first as
+          parent: an incremental checkpoint of unchanged memory (the workload steps every
+          300 ms; copied_mib says whether it changed in between)
 Every result is one JSON line in --out; a summary line per phase goes to stdout.
 """
 import argparse
@@ -440,6 +443,26 @@ def main():
                 record_snap("snapincr", snapshot_cycle(img8, img7))
                 shutil.rmtree(img8, ignore_errors=True)
             shutil.rmtree(img7, ignore_errors=True)
+
+        if "same" in phases:
+            img9 = os.path.join(a.tmpfs, f"img9-{label}")
+            img10 = os.path.join(a.tmpfs, f"img10-{label}")
+            for d in (img9, img10):
+                shutil.rmtree(d, ignore_errors=True)
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            h.call("Freeze")
+            full, rep1 = h.call("CopyOut", image_dir=img9, parent=None)
+            h.call("Thaw")
+            h.call("Freeze")
+            incr, rep2 = h.call("CopyOut", image_dir=img10, parent=img9)
+            h.call("Thaw")
+            record("same", full_ms=round(full, 1), incr_ms=round(incr, 1),
+                   ratio=round(full / incr, 1), full_gbps=round(rep1.get("bytes", 0) / full / 1e6, 2),
+                   copied_mib=rep2.get("copied_bytes", 0) >> 20,
+                   parent_chunks=rep2.get("parent_chunks"), image_mib=du(img10) >> 20,
+                   full_profile=rep1.get("profile"), incr_profile=rep2.get("profile"))
+            for d in (img9, img10):
+                shutil.rmtree(d, ignore_errors=True)
 
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")
