@@ -10,7 +10,10 @@
 #    measured in this run. GPUCR_HOOK_PROBES="keeper": keeper_probe.cu (device memory held
 #    by another process across the driver's cycle). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
 #    of tmpfs before the benchmarks (a fresh VM's first touch of its memory is slower; a
-#    long-running node's memory is warm). GPUCR_HOOK_OVERHEAD=0 skips step 0.
+#    long-running node's memory is warm). GPUCR_HOOK_OVERHEAD=0 skips step 0;
+#    GPUCR_HOOK_OVERHEAD_ROUNDS (3) interleaved rounds; GPUCR_HOOK_OVERHEAD_VARIANT="VAR=V"
+#    adds the hook with these settings to each round (e.g. GPUCR_HOOK_KEEP=0).
+#    GPUCR_HOOK_TMPFS_HUGE=1: images (and the tmpfs ceiling) on a tmpfs with huge=always.
 # 2. host-level, side by side in one process per size (hook_bench.py): the driver alone vs
 #    the hook's freeze -> copy-out -> release -> driver checkpoint of the rest -> restore ->
 #    remap -> copy-in -> thaw; copy-out into local disk; an incremental copy-out against the
@@ -34,6 +37,12 @@ T0=$(date +%s)
 elapsed() { echo $(($(date +%s) - T0)); }
 log() { echo "[$(elapsed)s] $*"; }
 mkdir -p "$OUT" "$TOOLS" "$TMPFS" "$DISK"
+# GPUCR_HOOK_TMPFS_HUGE=1: the images go to a tmpfs of its own mounted with huge=always
+# (2 MiB pages in the page cache: fewer faults on first touch, far fewer pages to pin for
+# direct copies) instead of /dev/shm.
+if [ "${GPUCR_HOOK_TMPFS_HUGE:-0}" = 1 ]; then
+  mount -t tmpfs -o huge=always,size=110g gpucr-hook-huge "$TMPFS" && echo "tmpfs: huge=always at $TMPFS"
+fi
 RES=$OUT/hook-results.jsonl
 SUM=$OUT/hook-summary.txt
 : >"$RES"
@@ -54,9 +63,14 @@ if [ "${GPUCR_HOOK_OVERHEAD:-1}" != 0 ]; then
   log "overhead: the same program without / with the hook, interleaved 3 times"
   nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/overhead" "$REPO/tests/gpu/overhead.cu" || exit 1
   mkdir -p "$TMPFS/ovh-sock"
-  for i in 1 2 3; do
+  for i in $(seq "${GPUCR_HOOK_OVERHEAD_ROUNDS:-3}"); do
     echo "no-hook $(timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
     echo "hook    $(LD_PRELOAD=$TOOLS/libgpucr_hook.so GPUCR_HOOK_SOCKET_DIR=$TMPFS/ovh-sock timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+    # GPUCR_HOOK_OVERHEAD_VARIANT="VAR=V ...": the hook again with these settings.
+    if [ -n "${GPUCR_HOOK_OVERHEAD_VARIANT:-}" ]; then
+      # shellcheck disable=SC2086 # one VAR=V word per setting
+      echo "hook+${GPUCR_HOOK_OVERHEAD_VARIANT// /,} $(env $GPUCR_HOOK_OVERHEAD_VARIANT LD_PRELOAD=$TOOLS/libgpucr_hook.so GPUCR_HOOK_SOCKET_DIR=$TMPFS/ovh-sock timeout 60 "$TOOLS/overhead")" | tee -a "$SUM"
+    fi
   done
   rm -rf "$TMPFS/ovh-sock"
 fi
@@ -135,6 +149,7 @@ if [ -n "${GPUCR_HOOK_E2E-c d}" ] && [ "$left" -gt 120 ]; then
   echo "h200-e2e.sh (hook) exit $?" | tee -a "$SUM"
   cat "$OUT/results.txt" >>"$SUM" 2>/dev/null
 fi
+if mountpoint -q "$TMPFS"; then umount "$TMPFS"; fi
 rm -rf "$TMPFS" "$DISK"
 log "done"
 cat "$SUM"
