@@ -1,7 +1,8 @@
 //! [`StagingPool`]: the host memory chunks pass through on their way between a device
-//! and an image. One 2 MiB-aligned anonymous mapping (huge pages where granted), made once and cut into `count` buffers of
-//! `buf_size` bytes, so a DMA engine can pin it with one call ([`StagingPin`]) and the
-//! memory bound is fixed up front. Buffers go back to the pool when dropped.
+//! and an image. One 2 MiB-aligned anonymous mapping (huge pages where granted), made once
+//! and cut into `count` buffers of `buf_size` bytes, so a DMA engine can pin it with one
+//! call ([`StagingPin`]) and the memory bound is fixed up front. Buffers go back to the
+//! pool when dropped.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
