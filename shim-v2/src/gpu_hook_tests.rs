@@ -68,6 +68,11 @@ impl FakeProcess {
     }
 }
 
+/// The hook's part of a checkpoint of `p` alone, into `image`.
+fn checkpoint_one(p: &FakeProcess, image: &Path, keep: bool, snapshot: bool) -> HookCheckpoint {
+    copy_out("c", std::slice::from_ref(&p.process), image, keep, snapshot).unwrap()
+}
+
 #[test]
 fn ns_pid_is_the_innermost() {
     assert_eq!(parse_ns_pid("Name:\tx\nNSpid:\t4242\t7\t1\n"), Some(1));
@@ -130,14 +135,7 @@ fn damage_image(image: &Path, ns_pid: u32) {
 fn leave_running_keeps_the_memory_on_the_gpu_and_reattaches_it() {
     let p = fake(13);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        true,
-        false,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&p, image.path(), true, false);
     assert_eq!(p.hook.state(), CheckpointState::Released);
     let record = cp.record();
     assert_eq!(record.processes[0].kept, 3, "{record:?}");
@@ -155,14 +153,7 @@ fn leave_running_keeps_the_memory_on_the_gpu_and_reattaches_it() {
 fn kept_memory_that_cannot_be_reattached_is_copied_in() {
     let p = fake(14);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        true,
-        false,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&p, image.path(), true, false);
     p.driver.fail_nth(DriverCall::Import, 1);
     cp.give_back().unwrap();
     p.assert_intact();
@@ -170,14 +161,7 @@ fn kept_memory_that_cannot_be_reattached_is_copied_in() {
     // A driver that cannot export: nothing kept, the usual Remap and CopyIn.
     let q = fake(15);
     q.driver.set_no_export(true);
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&q.process),
-        image.path(),
-        true,
-        false,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&q, image.path(), true, false);
     assert_eq!(cp.record().processes[0].kept, 0);
     cp.give_back().unwrap();
     q.assert_intact();
@@ -251,14 +235,7 @@ fn a_restored_process_gets_its_memory_from_the_image() {
     let me = std::process::id();
     let p = fake(me);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        false,
-        false,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&p, image.path(), false, false);
     let record = cp.record();
     // As after CRIU's restore: the hook answers in the new socket directory, Released.
     let socket_dir = p.process.socket.parent().unwrap();
@@ -274,14 +251,7 @@ fn a_restored_process_gets_its_memory_from_the_image() {
 fn a_damaged_or_missing_hook_image_is_refused() {
     let p = fake(51);
     let image = tempfile::tempdir().unwrap();
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        false,
-        false,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&p, image.path(), false, false);
     let record = cp.record();
     cp.give_back().unwrap();
     record.validate(image.path()).unwrap();
@@ -305,14 +275,7 @@ fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
     let me = std::process::id();
     let p = fake(me);
     let image = tempfile::tempdir().unwrap();
-    let mut cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let mut cp = checkpoint_one(&p, image.path(), true, true);
     assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
     let record = cp.record();
     assert_eq!(record.processes[0].kept, 3, "{record:?}");
@@ -329,14 +292,7 @@ fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
     record.validate(image.path()).unwrap();
     // A process restored from it (Snapshotted in the dump, no fds) copies it in.
     let again = tempfile::tempdir().unwrap();
-    let cp2 = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        again.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let cp2 = checkpoint_one(&p, again.path(), true, true);
     drop(cp2);
     assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
     let socket_dir = p.process.socket.parent().unwrap();
@@ -348,14 +304,7 @@ fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
 fn without_room_for_a_snapshot_the_memory_is_copied_out_while_frozen() {
     let p = fake_with(17, 1 << 40);
     let image = tempfile::tempdir().unwrap();
-    let mut cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let mut cp = checkpoint_one(&p, image.path(), true, true);
     assert_eq!(p.hook.state(), CheckpointState::Released);
     let record = cp.record();
     assert_eq!(record.processes[0].snapshot_ms, 0);
@@ -371,41 +320,20 @@ fn a_failed_checkpoint_drops_the_snapshot_and_a_failed_write_is_reported() {
     let image = tempfile::tempdir().unwrap();
     // The dump failed: memory back, snapshot dropped, nothing written.
     let p = fake(18);
-    let cp = copy_out(
-        "c",
-        std::slice::from_ref(&p.process),
-        image.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let cp = checkpoint_one(&p, image.path(), true, true);
     cp.give_back().unwrap();
     p.assert_intact();
     assert!(!HookRecord::image_of(image.path(), 18).exists());
     // The write fails: the process runs on, the checkpoint is incomplete.
     let q = fake(19);
-    let mut cp = copy_out(
-        "c",
-        std::slice::from_ref(&q.process),
-        image.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let mut cp = checkpoint_one(&q, image.path(), true, true);
     q.driver.fail_next(DriverCall::CopyToHost);
     assert!(cp.give_back_and_write().is_err());
     assert!(!cp.images_complete());
     q.assert_intact();
     // The snapshot cannot be mapped back: stranded, said so.
     let r = fake(20);
-    let mut cp = copy_out(
-        "c",
-        std::slice::from_ref(&r.process),
-        image.path(),
-        true,
-        true,
-    )
-    .unwrap();
+    let mut cp = checkpoint_one(&r, image.path(), true, true);
     r.driver.fail_next(DriverCall::Import);
     let err = cp.give_back_and_write().unwrap_err();
     assert!(matches!(err, HookError::Stranded { .. }), "{err}");

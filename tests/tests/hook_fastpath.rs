@@ -241,6 +241,16 @@ impl Hooked {
             .count()
     }
 
+    /// Asserts `function` succeeded `n` times in the container's fake driver log.
+    fn assert_ok_calls(&self, id: &str, function: &str, n: usize) {
+        assert_eq!(
+            self.count_ok(id, function),
+            n,
+            "{function}: {:#?}",
+            self.mem_log(id)
+        );
+    }
+
     /// Calls of `function` that succeeded (`-> 0`).
     fn count_ok(&self, id: &str, function: &str) -> usize {
         let prefix = format!("{function} ");
@@ -372,24 +382,9 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
     // Leave-running: the memory was released but kept (exported, its fds held by the
     // shim across the dump) and reattached, no copy-in; then, imported memory not being
     // exportable again, moved onto new memory with a device copy for the next keep.
-    assert_eq!(
-        g.count_ok(&id, "cuMemExportToShareableHandle"),
-        2,
-        "{:#?}",
-        g.mem_log(&id)
-    );
-    assert_eq!(
-        g.count_ok(&id, "cuMemImportFromShareableHandle"),
-        2,
-        "{:#?}",
-        g.mem_log(&id)
-    );
-    assert_eq!(
-        g.count_ok(&id, "cuMemcpyDtoD_v2"),
-        2,
-        "{:#?}",
-        g.mem_log(&id)
-    );
+    g.assert_ok_calls(&id, "cuMemExportToShareableHandle", 2);
+    g.assert_ok_calls(&id, "cuMemImportFromShareableHandle", 2);
+    g.assert_ok_calls(&id, "cuMemcpyDtoD_v2", 2);
     assert_eq!(g.count(&id, "cuMemCreate"), 4, "{:#?}", g.mem_log(&id));
     assert!(g.shim_log().contains("(no copy-in)"), "{}", g.shim_log());
 
@@ -461,25 +456,10 @@ fn snapshot_checkpoint_is_written_while_the_task_runs_and_restores() {
         "{:#?}",
         g.mem_log(&id)
     );
-    assert_eq!(
-        g.count_ok(&id, "cuMemExportToShareableHandle"),
-        1,
-        "{:#?}",
-        g.mem_log(&id)
-    );
-    assert_eq!(
-        g.count_ok(&id, "cuMemImportFromShareableHandle"),
-        1,
-        "{:#?}",
-        g.mem_log(&id)
-    );
+    g.assert_ok_calls(&id, "cuMemExportToShareableHandle", 1);
+    g.assert_ok_calls(&id, "cuMemImportFromShareableHandle", 1);
     // Two into the snapshot, two back out of it; the new memory: the snapshot and two.
-    assert_eq!(
-        g.count_ok(&id, "cuMemcpyDtoD_v2"),
-        4,
-        "{:#?}",
-        g.mem_log(&id)
-    );
+    g.assert_ok_calls(&id, "cuMemcpyDtoD_v2", 4);
     assert_eq!(g.count(&id, "cuMemCreate"), 5, "{:#?}", g.mem_log(&id));
     let log = g.shim_log();
     assert!(
@@ -528,12 +508,7 @@ fn failed_driver_lock_gives_the_memory_back() {
     g.ctd.wait_status(&id, "RUNNING").unwrap();
     g.assert_memory_kept(&id, &hash);
     // Released (kept by the shim), then reattached (and moved onto exportable memory).
-    assert_eq!(
-        g.count_ok(&id, "cuMemImportFromShareableHandle"),
-        2,
-        "{:#?}",
-        g.mem_log(&id)
-    );
+    g.assert_ok_calls(&id, "cuMemImportFromShareableHandle", 2);
     assert_eq!(g.count(&id, "cuMemCreate"), 4, "{:#?}", g.mem_log(&id));
     g.ctd.remove_container(&id).unwrap();
 }
