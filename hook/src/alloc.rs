@@ -268,16 +268,7 @@ impl<D: VmmDriver> Allocator<D> {
         size: u64,
         handle: PhysHandle,
     ) -> Result<(), AllocError> {
-        if let Err(e) = self.driver.map(va, size, handle) {
-            let _ = self.driver.release(handle);
-            return Err(e.into());
-        }
-        if let Err(e) = self.driver.set_access(va, size) {
-            let _ = self.driver.unmap(va, size);
-            let _ = self.driver.release(handle);
-            return Err(e.into());
-        }
-        Ok(())
+        Ok(map_accessible(&*self.driver, va, size, handle)?)
     }
 
     /// `cuMemFree`: frees the allocation starting at `va` (mapped or released).
@@ -420,6 +411,26 @@ impl<D: VmmDriver> Allocator<D> {
     pub fn unsupported(&self) -> Vec<Unsupported> {
         self.table().unsupported().to_vec()
     }
+}
+
+/// Maps `handle` accessible at `va` through `driver`; on failure unmaps and releases
+/// `handle` (allocations and the snapshot region alike).
+pub(crate) fn map_accessible<D: VmmDriver>(
+    driver: &D,
+    va: DevicePtr,
+    size: u64,
+    handle: PhysHandle,
+) -> Result<(), DriverError> {
+    if let Err(e) = driver.map(va, size, handle) {
+        let _ = driver.release(handle);
+        return Err(e);
+    }
+    if let Err(e) = driver.set_access(va, size) {
+        let _ = driver.unmap(va, size);
+        let _ = driver.release(handle);
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// The physical memory of a mapped allocation; `WrongState` otherwise.

@@ -13,7 +13,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use thiserror::Error;
 
-use crate::alloc::Allocation;
+use crate::alloc::{map_accessible, Allocation};
 use crate::driver::{DevicePtr, DriverError, PhysHandle, VmmDriver};
 
 /// Why no snapshot was taken (nothing changed: the caller copies out while frozen).
@@ -104,15 +104,7 @@ impl Snapshot {
 
     /// Maps `handle` accessible over the region; on failure `handle` is released.
     fn map<D: VmmDriver>(&mut self, driver: &D, handle: PhysHandle) -> Result<(), DriverError> {
-        if let Err(e) = driver.map(self.va, self.size, handle) {
-            let _ = driver.release(handle);
-            return Err(e);
-        }
-        if let Err(e) = driver.set_access(self.va, self.size) {
-            let _ = driver.unmap(self.va, self.size);
-            let _ = driver.release(handle);
-            return Err(e);
-        }
+        map_accessible(driver, self.va, self.size, handle)?;
         self.handle = Some(handle);
         Ok(())
     }
