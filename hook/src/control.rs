@@ -24,8 +24,8 @@ use thiserror::Error;
 use crate::driver::DevicePtr;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
-    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, Reply, Request, SnapshotReport, Verb,
-    FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
+    ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, PrepareReport, Reply, Request,
+    SnapshotReport, Verb, FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -54,6 +54,10 @@ pub trait Engine: Send {
     ) -> Result<CopyOutReport, Self::Error>;
     /// Frees the snapshot without writing it.
     fn drop_snapshot(&self) -> Result<(), Self::Error>;
+    /// Readies a CopyOut into `dir` while the workload runs (see [`crate::protocol`]).
+    fn prepare(&self, dir: &Path, parent: Option<&Path>) -> Result<PrepareReport, Self::Error>;
+    /// Whether a prepared CopyOut is held (its directory fds must stay open).
+    fn prepared(&self) -> bool;
 }
 
 /// Control errors.
@@ -82,6 +86,7 @@ impl CheckpointState {
         use CheckpointState as S;
         match (self, verb) {
             (state, Verb::Status) => Ok(state),
+            (S::Running, Verb::Prepare) => Ok(S::Running),
             (S::Running, Verb::Freeze) => Ok(S::Frozen),
             (S::Frozen, Verb::CopyOut) => Ok(S::CopiedOut),
             (S::CopiedOut, Verb::Release) => Ok(S::Released),
@@ -107,6 +112,9 @@ pub struct Controller<E> {
     /// The fds of the last CopyOut, held while CopiedOut: a Release that fails half-way
     /// refills the released allocations from that image, through these fds' paths.
     held: Vec<OwnedFd>,
+    /// The fds of the last Prepare, held while the engine holds what it prepared (its
+    /// unfinished image lives under these fds' paths).
+    prepared: Vec<OwnedFd>,
 }
 
 impl<E: Engine> Controller<E> {
@@ -115,6 +123,7 @@ impl<E: Engine> Controller<E> {
             state: CheckpointState::Running,
             engine,
             held: Vec::new(),
+            prepared: Vec::new(),
         }
     }
 
@@ -178,8 +187,10 @@ impl<E: Engine> Controller<E> {
             Ok((outcome, fds)) => {
                 tracing::debug!(verb = ?req.verb(), from = ?self.state, to = ?next, "control verb done");
                 self.state = next;
-                if req.verb() == Verb::CopyOut {
-                    self.held = path_fds;
+                match req.verb() {
+                    Verb::CopyOut => self.held = path_fds,
+                    Verb::Prepare => self.prepared = path_fds,
+                    _ => {}
                 }
                 out = fds;
                 Reply::Ok(outcome)
@@ -193,12 +204,16 @@ impl<E: Engine> Controller<E> {
             // Closed before the dump: CRIU cannot dump fds of host directories.
             self.held.clear();
         }
+        if !self.engine.prepared() {
+            self.prepared.clear();
+        }
         (reply, out)
     }
 
-    /// How many fds the controller holds (those of the last CopyOut, while CopiedOut).
+    /// How many fds the controller holds (those of the last CopyOut, while CopiedOut,
+    /// and of a Prepare while the engine holds it).
     pub fn held_fds(&self) -> usize {
-        self.held.len()
+        self.held.len() + self.prepared.len()
     }
 
     fn run(&self, req: &Request, fds: Vec<OwnedFd>) -> Result<(Outcome, Vec<OwnedFd>), E::Error> {
@@ -217,6 +232,9 @@ impl<E: Engine> Controller<E> {
                 Outcome::SnapshotWritten(e.write_snapshot(image_dir, parent.as_deref())?)
             }
             Request::DropSnapshot => e.drop_snapshot().map(|()| Outcome::SnapshotDropped)?,
+            Request::Prepare { image_dir, parent } => {
+                Outcome::Prepared(e.prepare(image_dir, parent.as_deref())?)
+            }
             Request::Freeze => e.freeze().map(|()| Outcome::Frozen)?,
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
@@ -262,7 +280,9 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
     }
     match (req, fds) {
         (
-            Request::CopyOut { image_dir, parent } | Request::WriteSnapshot { image_dir, parent },
+            Request::CopyOut { image_dir, parent }
+            | Request::WriteSnapshot { image_dir, parent }
+            | Request::Prepare { image_dir, parent },
             [dir, rest @ ..],
         ) => {
             let parent = match (parent, rest) {
@@ -280,6 +300,7 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
             let image_dir = fd_path(dir, image_dir, "image_dir")?;
             Ok(match req {
                 Request::CopyOut { .. } => Request::CopyOut { image_dir, parent },
+                Request::Prepare { .. } => Request::Prepare { image_dir, parent },
                 _ => Request::WriteSnapshot { image_dir, parent },
             })
         }
@@ -287,7 +308,7 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
             image_dir: fd_path(dir, image_dir, "image_dir")?,
         }),
         (req, fds) => Err(bad(format!(
-            "{:?} does not take {} fd(s) (CopyOut and WriteSnapshot take 1 or 2, CopyIn 1)",
+            "{:?} does not take {} fd(s) (CopyOut, WriteSnapshot and Prepare take 1 or 2, CopyIn 1)",
             req.verb(),
             fds.len()
         ))),
@@ -687,6 +708,21 @@ impl ControlClient {
         parent: Option<&File>,
     ) -> Result<Reply, ControlError> {
         let req = Request::CopyOut {
+            image_dir: name.to_path_buf(),
+            parent: parent.map(|_| PathBuf::from(".")),
+        };
+        self.call_with_dirs(&req, dir, parent)
+    }
+
+    /// Prepare a CopyOut into a new image `name` inside the open directory `dir`, as
+    /// [`ControlClient::copy_out_fd`] names it.
+    pub fn prepare_fd(
+        &mut self,
+        dir: &File,
+        name: &Path,
+        parent: Option<&File>,
+    ) -> Result<Reply, ControlError> {
+        let req = Request::Prepare {
             image_dir: name.to_path_buf(),
             parent: parent.map(|_| PathBuf::from(".")),
         };

@@ -15,6 +15,8 @@ struct StubEngine {
     /// (matched in order).
     kept: Mutex<Vec<Option<(u64, u64)>>>,
     reattached: Mutex<usize>,
+    /// A Prepare held (until CopyOut, Thaw or Snapshot).
+    prepared: Mutex<bool>,
 }
 
 #[derive(Debug)]
@@ -91,6 +93,7 @@ impl Engine for StubEngine {
         self.step(Verb::Freeze)
     }
     fn copy_out(&self, dir: &Path, parent: Option<&Path>) -> Result<CopyOutReport, StubError> {
+        *self.prepared.lock().unwrap() = false;
         self.copy_out_as(Verb::CopyOut, dir, parent)
     }
     fn release(&self, keep: bool) -> Result<(MemoryReport, Vec<OwnedFd>), StubError> {
@@ -98,6 +101,7 @@ impl Engine for StubEngine {
         Ok(self.hand_out(if keep { self.keep } else { 0 }))
     }
     fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), StubError> {
+        *self.prepared.lock().unwrap() = false;
         self.step(Verb::Snapshot)?;
         // The allocations' memory, then the snapshot's.
         let (release, fds) = self.hand_out(self.keep + 1);
@@ -143,7 +147,21 @@ impl Engine for StubEngine {
         })
     }
     fn thaw(&self) -> Result<(), StubError> {
+        *self.prepared.lock().unwrap() = false;
         self.step(Verb::Thaw)
+    }
+    fn prepare(&self, dir: &Path, parent: Option<&Path>) -> Result<PrepareReport, StubError> {
+        let mut paths = self.paths.lock().unwrap();
+        paths.push(dir.to_path_buf());
+        paths.extend(parent.map(Path::to_path_buf));
+        drop(paths);
+        *self.prepared.lock().unwrap() = false;
+        self.step(Verb::Prepare)?;
+        *self.prepared.lock().unwrap() = true;
+        Ok(PrepareReport::default())
+    }
+    fn prepared(&self) -> bool {
+        *self.prepared.lock().unwrap()
     }
     fn status(&self, state: CheckpointState) -> HookStatus {
         HookStatus {
@@ -180,6 +198,10 @@ fn request(verb: Verb) -> Request {
             parent: None,
         },
         Verb::DropSnapshot => Request::DropSnapshot,
+        Verb::Prepare => Request::Prepare {
+            image_dir: "/img".into(),
+            parent: None,
+        },
     }
 }
 
@@ -195,7 +217,7 @@ const STATES: [CheckpointState; 10] = [
     CheckpointState::SnapshotReattached,
     CheckpointState::WritePending,
 ];
-const ALL_VERBS: [Verb; 11] = [
+const ALL_VERBS: [Verb; 12] = [
     Verb::Freeze,
     Verb::CopyOut,
     Verb::Release,
@@ -207,6 +229,7 @@ const ALL_VERBS: [Verb; 11] = [
     Verb::Snapshot,
     Verb::WriteSnapshot,
     Verb::DropSnapshot,
+    Verb::Prepare,
 ];
 
 #[test]
@@ -229,6 +252,7 @@ fn transition_table_over_every_state_and_verb() {
         (S::SnapshotReattached, Verb::Thaw, S::WritePending),
         (S::WritePending, Verb::WriteSnapshot, S::Running),
         (S::WritePending, Verb::DropSnapshot, S::Running),
+        (S::Running, Verb::Prepare, S::Running),
     ];
     for state in STATES {
         for verb in ALL_VERBS {
@@ -566,6 +590,52 @@ fn a_parent_by_fd_is_resolved_against_the_second_fd() {
         std::fs::canonicalize(images.path().join("prev")).unwrap()
     );
     assert_eq!(c.held_fds(), 2);
+}
+
+#[test]
+fn a_prepare_holds_its_fds_until_the_copy_out_or_a_thaw() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let images = tempfile::tempdir().unwrap();
+    std::fs::create_dir(images.path().join("prev")).unwrap();
+    let dir = File::open(images.path()).unwrap();
+    let parent = File::open(images.path().join("prev")).unwrap();
+    let held = || controller.lock().unwrap().held_fds();
+    ok(client
+        .prepare_fd(&dir, Path::new("next"), Some(&parent))
+        .unwrap());
+    assert_eq!(held(), 2, "the prepared image lives under its fds");
+    ok(client.call(&Request::Freeze).unwrap());
+    assert_eq!(held(), 2);
+    ok(client.copy_out_fd(&dir, Path::new("next"), None).unwrap());
+    assert_eq!(held(), 1, "the CopyOut's own fd only");
+    {
+        let c = controller.lock().unwrap();
+        let paths = c.engine().paths.lock().unwrap().clone();
+        assert!(paths[0].ends_with("next") && paths[2].ends_with("next"));
+    }
+    ok(client.call(&Request::Thaw).unwrap());
+    assert_eq!(held(), 0);
+
+    // Dropped by a Thaw; a failed Prepare holds nothing; Prepare only while Running.
+    ok(client.prepare_fd(&dir, Path::new("x"), None).unwrap());
+    assert_eq!(held(), 1);
+    ok(client.call(&Request::Freeze).unwrap());
+    ok(client.call(&Request::Thaw).unwrap());
+    assert_eq!(held(), 0);
+    *controller.lock().unwrap().engine().fail.lock().unwrap() = Some(Verb::Prepare);
+    assert!(matches!(
+        client.prepare_fd(&dir, Path::new("y"), None).unwrap(),
+        Reply::Error(_)
+    ));
+    assert_eq!(held(), 0);
+    *controller.lock().unwrap().engine().fail.lock().unwrap() = None;
+    ok(client.call(&Request::Freeze).unwrap());
+    let Reply::Error(e) = client.prepare_fd(&dir, Path::new("z"), None).unwrap() else {
+        panic!("Prepare while Frozen accepted");
+    };
+    assert_eq!(e.kind, ErrorKind::IllegalInState);
+    assert_eq!(held(), 0);
 }
 
 /// The whole fast path over the socket with images passed as fds, as the shim does.

@@ -29,9 +29,10 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
+use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HookStatus, MemoryReport,
-    SnapshotReport,
+    PrepareReport, SnapshotReport,
 };
 use crate::snapshot::{Snapshot, SnapshotError};
 
@@ -86,6 +87,8 @@ pub enum FastPathError {
     NotKeepable(String),
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    #[error("copy-out not prepared: {0}; the CopyOut copies through staging buffers")]
+    NotPrepared(String),
     #[error("the GPU check of the copied-in memory could not run (the hash kernel failed after the copy-in had begun); treat the restored memory as unchecked")]
     DeviceCheckUnavailable,
 }
@@ -115,6 +118,10 @@ pub struct FastPathOptions {
     pub direct: bool,
     /// Bytes of the direct data file registered at one time.
     pub direct_window: usize,
+    /// Prepare answers: a CopyOut readied before the freeze (data file allocated and
+    /// registered while the workload runs; tmpfs images only), then moved device to
+    /// file directly whatever `direct` says.
+    pub prepare: bool,
     /// Hash chunks on the GPU before copying (when the driver can): zero chunks and
     /// chunks the parent image stores are not copied, the rest only CRC'd on the CPU.
     pub device_hash: bool,
@@ -139,6 +146,7 @@ pub const ENV_STREAMS: &str = "GPUCR_HOOK_STREAMS";
 pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
 pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
 pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
+pub const ENV_PREPARE: &str = "GPUCR_HOOK_PREPARE";
 pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
 pub const ENV_KEEP: &str = "GPUCR_HOOK_KEEP";
 pub const ENV_SNAPSHOT: &str = "GPUCR_HOOK_SNAPSHOT";
@@ -170,7 +178,8 @@ impl FastPathOptions {
     /// `GPUCR_HOOK_THREADS` (CPUs, at most 16), `GPUCR_HOOK_STREAMS` (4),
     /// `GPUCR_HOOK_PIN` (`1`; `0` copies through pageable memory),
     /// `GPUCR_HOOK_DIRECT` (`0`; `1`: direct copy-out into tmpfs images),
-    /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048), `GPUCR_HOOK_DEVICE_HASH` (`1`; `0` hashes
+    /// `GPUCR_HOOK_DIRECT_WINDOW_MIB` (2048), `GPUCR_HOOK_PREPARE` (`1`; `0` refuses
+    /// Prepare), `GPUCR_HOOK_DEVICE_HASH` (`1`; `0` hashes
     /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
     /// memory is plain, never exported, and a leave-running checkpoint copies it back),
     /// `GPUCR_HOOK_SNAPSHOT` (`1`; `0`: the memory is written while frozen),
@@ -225,6 +234,7 @@ impl FastPathOptions {
         let pin = flag(ENV_PIN, true)?;
         let direct = flag(ENV_DIRECT, false)?;
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
+        let prepare = flag(ENV_PREPARE, true)?;
         let device_hash = flag(ENV_DEVICE_HASH, true)?;
         let keep = flag(ENV_KEEP, true)?;
         let snapshot = flag(ENV_SNAPSHOT, true)?;
@@ -252,6 +262,7 @@ impl FastPathOptions {
             pin,
             direct,
             direct_window,
+            prepare,
             device_hash,
             keep,
             snapshot,
@@ -604,7 +615,7 @@ impl From<DriverError> for DirectInError {
 }
 
 /// The fast path over one process's allocations and gate.
-pub struct FastPath<D> {
+pub struct FastPath<D: VmmDriver> {
     allocator: Arc<Allocator<D>>,
     gate: Arc<Gate>,
     opts: FastPathOptions,
@@ -615,6 +626,8 @@ pub struct FastPath<D> {
     kept: Mutex<BTreeMap<DevicePtr, Option<(u64, u64)>>>,
     /// The snapshot of a Snapshot verb, until written or dropped.
     snapshot: Mutex<Option<Snapshot>>,
+    /// A CopyOut readied by Prepare, until that CopyOut or another verb.
+    prepared: Mutex<Option<Prepared<D>>>,
 }
 
 impl<D: VmmDriver + 'static> FastPath<D> {
@@ -626,6 +639,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             last_image: Mutex::new(None),
             kept: Mutex::new(BTreeMap::new()),
             snapshot: Mutex::new(None),
+            prepared: Mutex::new(None),
         }
     }
 
@@ -660,9 +674,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         writer: &mut ImageWriter,
         todo: &[ChunkTodo],
         region: Option<DirectRegion>,
+        registered: Option<&Registered<D>>,
     ) -> Result<(u64, usize, CopyProfile), FastPathError> {
         let mut plan = None;
-        if let Some(region) = region {
+        if let Some(region) = region.filter(|_| registered.is_none()) {
             let mut spans = Vec::new();
             for c in todo {
                 let (at, len) = writer.direct_place(c.id, c.offset)?;
@@ -675,7 +690,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .as_mut()
             .map(|(w, _)| Windows::start(scope, self.driver(), std::mem::take(w), false));
         let of = plan.map(|(_, of)| of).unwrap_or_default();
-        let mut registered = 0;
+        let mut windows_used = 0;
         let mut profile = CopyProfile::default();
         // Declared after the windows: dropped first, so every copy is waited for before
         // a buffer or window can go.
@@ -693,7 +708,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 }
             }
             let mut pending = None;
-            if let Some(win) = windows.as_mut() {
+            if registered.is_some() {
+                // Prepared: every place is registered already.
+                pending = Some(Pending::Direct(writer.stage_direct(*id, offset)?));
+            } else if let Some(win) = windows.as_mut() {
                 // Direct places are page aligned: no head.
                 let (k, _) = of[n].expect("every chunk has a window");
                 if win.current() != Some(k) {
@@ -703,7 +721,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     }
                     if let Err(e) = win.enter(k) {
                         tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
-                        registered = win.registered;
+                        windows_used = win.registered;
                         profile.register_wait = win.waited.as_secs_f64();
                         windows = None;
                         writer.trim_direct(writer.direct_place(*id, offset)?.0)?;
@@ -742,10 +760,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         profile.dma_wait = flight.waited.as_secs_f64();
         drop(flight);
         if let Some(w) = &windows {
-            registered = w.registered;
+            windows_used = w.registered;
             profile.register_wait = w.waited.as_secs_f64();
         }
-        Ok((bytes, registered, profile))
+        if let Some(r) = registered {
+            windows_used = r.windows();
+        }
+        Ok((bytes, windows_used, profile))
     }
 
     /// The chunks to copy, in order. With the device hash (option and driver), every
@@ -871,6 +892,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// Writes every allocation into a new image at `image_dir`: device-to-host DMA of
     /// up to `streams` chunks at a time straight into the writer's pinned staging
     /// buffers, each handed to the writer's workers as soon as its copy is done.
+    /// A CopyOut readied by [`FastPath::prepare`] is used when it names the same image
+    /// and the allocations did not change since.
     pub fn copy_out(
         &self,
         image_dir: &Path,
@@ -884,7 +907,123 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 (a, va)
             })
             .collect();
-        self.write_image(image_dir, parent, &sources)
+        let prepared = self.take_prepared(image_dir, parent, &sources);
+        self.write_image(image_dir, parent, &sources, prepared)
+    }
+
+    /// Readies a CopyOut into `image_dir` while the workload runs: the image's writer
+    /// with its direct data file (every chunk's place) allocated on tmpfs and registered
+    /// for DMA. Replaces an earlier one. Refused, nothing held, where the image cannot
+    /// take direct copies.
+    pub fn prepare(
+        &self,
+        image_dir: &Path,
+        parent: Option<&Path>,
+    ) -> Result<PrepareReport, FastPathError> {
+        self.drop_prepared();
+        if !self.opts.prepare {
+            return Err(FastPathError::NotPrepared(
+                "turned off in this process (GPUCR_HOOK_PREPARE=0)".into(),
+            ));
+        }
+        if !self.opts.pin {
+            return Err(FastPathError::NotPrepared("pinning is off".into()));
+        }
+        let since = Instant::now();
+        let target = Target::of(image_dir, parent).map_err(|e| {
+            FastPathError::NotPrepared(format!("cannot identify the image's directory: {e}"))
+        })?;
+        let allocs = self.mapped()?;
+        let mut writer =
+            ImageWriter::create_with_pin(image_dir, parent, self.opts.image, self.pin())?;
+        let ids = allocs
+            .iter()
+            .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some(why) = writer.direct_refusal() {
+            return Err(FastPathError::NotPrepared(why.to_string()));
+        }
+        let region = writer.start_direct()?;
+        let allocate_seconds = since.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let registered = Registered::register(
+            self.allocator.driver(),
+            region.base,
+            region.len,
+            self.opts.direct_window,
+        )?;
+        let report = PrepareReport {
+            bytes: region.len as u64,
+            windows: registered.windows(),
+            allocate_seconds,
+            register_seconds: t.elapsed().as_secs_f64(),
+        };
+        tracing::info!(?report, dir = %image_dir.display(), "copy-out prepared");
+        *self.prepared.lock().unwrap_or_else(|p| p.into_inner()) = Some(Prepared {
+            registered,
+            writer,
+            target,
+            layout: allocs.iter().map(|a| (a.va, a.size)).collect(),
+            ids,
+            region: (region.base as usize, region.len),
+            since,
+        });
+        Ok(report)
+    }
+
+    /// Whether a prepared CopyOut is held.
+    pub fn is_prepared(&self) -> bool {
+        self.prepared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
+    /// Drops a prepared CopyOut, if any: its windows unregistered, its unfinished image
+    /// removed.
+    pub fn drop_prepared(&self) {
+        let prepared = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(p) = prepared {
+            tracing::info!(
+                bytes = p.region.1,
+                age_seconds = p.since.elapsed().as_secs_f64(),
+                "prepared copy-out dropped"
+            );
+        }
+    }
+
+    /// The prepared CopyOut if it is for this image and these allocations; any other is
+    /// dropped (logged).
+    fn take_prepared(
+        &self,
+        image_dir: &Path,
+        parent: Option<&Path>,
+        sources: &[(Allocation, DevicePtr)],
+    ) -> Option<Prepared<D>> {
+        let p = self
+            .prepared
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()?;
+        let why = match Target::of(image_dir, parent) {
+            Err(e) => format!("cannot identify the image's directory: {e}"),
+            Ok(t) if t != p.target => "prepared for another image".into(),
+            Ok(_)
+                if !sources
+                    .iter()
+                    .map(|(a, _)| (a.va, a.size))
+                    .eq(p.layout.iter().copied()) =>
+            {
+                "the allocations changed since the Prepare".into()
+            }
+            Ok(_) => return Some(p),
+        };
+        tracing::info!(reason = %why, "prepared copy-out not used");
+        None
     }
 
     /// Every tracked allocation, refusing if any is not mapped (or cannot be moved).
@@ -906,27 +1045,47 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         image_dir: &Path,
         parent: Option<&Path>,
         sources: &[(Allocation, DevicePtr)],
+        prepared: Option<Prepared<D>>,
     ) -> Result<CopyOutReport, FastPathError> {
         let start = Instant::now();
         let opts = self.opts.image;
-        let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
+        // Bindings drop in reverse order: `registered` (unpinning) before `writer`
+        // (unmapping the data file) on every path.
+        let (mut writer, ids, registered, prepared_region) = match prepared {
+            Some(p) => {
+                let region = p.region();
+                (p.writer, p.ids, Some(p.registered), Some(region))
+            }
+            None => {
+                let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
+                let ids = sources
+                    .iter()
+                    .map(|(a, _)| writer.begin_allocation(a.va, a.size, self.tags()))
+                    .collect::<Result<Vec<_>, _>>()?;
+                (writer, ids, None, None)
+            }
+        };
         let staged_at = start.elapsed().as_secs_f64();
-        let ids = sources
-            .iter()
-            .map(|(a, _)| writer.begin_allocation(a.va, a.size, self.tags()))
-            .collect::<Result<Vec<_>, _>>()?;
         let t = Instant::now();
         let (todo, hashed) = self.resolve_chunks(&mut writer, sources, &ids)?;
         let hash_seconds = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let region = self.direct_region(&mut writer)?;
+        let region = match prepared_region {
+            Some(r) => Some(r),
+            None => self.direct_region(&mut writer)?,
+        };
         let direct_seconds = t.elapsed().as_secs_f64();
-        let (copied, windows, mut profile) =
-            std::thread::scope(|scope| self.copy_chunks_out(scope, &mut writer, &todo, region))?;
+        let (copied, windows, mut profile) = std::thread::scope(|scope| {
+            self.copy_chunks_out(scope, &mut writer, &todo, region, registered.as_ref())
+        })?;
         profile.device_hash = hash_seconds;
         profile.setup = staged_at + direct_seconds;
         let bytes = sources.iter().map(|(a, _)| a.size).sum();
         let stats = writer.stats();
+        let t = Instant::now();
+        let prepared = registered.is_some();
+        drop(registered);
+        profile.unregister = t.elapsed().as_secs_f64();
         let t = Instant::now();
         writer.finish()?;
         profile.finish = t.elapsed().as_secs_f64();
@@ -947,6 +1106,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             device_hash = hashed,
             pinned = stats.staging_pinned,
             direct = region.is_some(),
+            prepared,
             direct_windows = windows,
             setup_seconds = staged_at,
             "device memory copied out"
@@ -1134,7 +1294,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 "its memory is not mapped (Reattach first)",
             ));
         }
-        let report = self.write_image(image_dir, parent, &snap.sources())?;
+        let report = self.write_image(image_dir, parent, &snap.sources(), None)?;
         if let Some(snap) = guard.take() {
             snap.free(self.driver());
         }
@@ -1712,10 +1872,14 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
         self.driver().end_copies();
         result
     }
+    // A prepared CopyOut is for the CopyOut that follows the Freeze; anything else
+    // drops it (its mapping of a host file must not reach CRIU's dump).
     fn thaw(&self) -> Result<(), FastPathError> {
+        self.drop_prepared();
         FastPath::thaw(self)
     }
     fn snapshot(&self) -> Result<(SnapshotReport, Vec<OwnedFd>), FastPathError> {
+        self.drop_prepared();
         FastPath::snapshot(self)
     }
     fn write_snapshot(
@@ -1730,6 +1894,12 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     fn drop_snapshot(&self) -> Result<(), FastPathError> {
         FastPath::drop_snapshot(self);
         Ok(())
+    }
+    fn prepare(&self, dir: &Path, parent: Option<&Path>) -> Result<PrepareReport, FastPathError> {
+        FastPath::prepare(self, dir, parent)
+    }
+    fn prepared(&self) -> bool {
+        self.is_prepared()
     }
     fn status(&self, state: CheckpointState) -> HookStatus {
         let table = self.allocator.table();

@@ -61,7 +61,7 @@ impl HookConfig {
 }
 
 /// One process's hook. See the module docs.
-pub struct Hook<D> {
+pub struct Hook<D: VmmDriver> {
     allocator: Arc<Allocator<D>>,
     gate: Arc<Gate>,
     controller: Arc<Mutex<Controller<FastPath<D>>>>,

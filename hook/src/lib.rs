@@ -10,5 +10,6 @@ pub mod fake;
 pub mod fastpath;
 pub mod gate;
 pub mod hook;
+pub mod prepared;
 pub mod protocol;
 pub mod snapshot;

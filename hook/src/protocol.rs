@@ -29,6 +29,14 @@
 //! from the snapshot (its directory like CopyOut's); `DropSnapshot` frees a snapshot that
 //! will not be written. A leave-running checkpoint then pauses the workload only for the
 //! driver's cycle and the dump.
+//!
+//! **Prepare.** `Prepare` (while Running, directories like CopyOut's) readies the CopyOut
+//! that follows while the workload still runs: the image's data file is allocated on
+//! tmpfs, mapped and registered for DMA, so the frozen CopyOut moves device memory
+//! straight into it at the link's speed. Its fds are held until the CopyOut into the same
+//! image (same directory, name and parent) uses it; any other verb but Freeze and Status
+//! (or a CopyOut elsewhere, or changed allocations) drops it. Refused, changing nothing,
+//! where the image cannot take direct copies (not tmpfs, compression, pinning off).
 
 use std::io::{self, Read, Write};
 use std::path::PathBuf;
@@ -41,7 +49,7 @@ use crate::gate::GateState;
 
 /// Largest request frame the hook accepts (requests carry two paths at most).
 pub const MAX_FRAME: u32 = 64 << 10;
-/// Most fds one request may carry (CopyOut: the image's directory and its parent).
+/// Most fds one request may carry (CopyOut, Prepare: the image's directory and its parent).
 pub const MAX_FDS: usize = 2;
 /// Largest reply frame (a Status lists every unsupported allocation).
 pub const MAX_REPLY_FRAME: u32 = 16 << 20;
@@ -94,10 +102,17 @@ pub enum Request {
     Thaw,
     /// Report the state; legal in every state.
     Status,
+    /// Ready a CopyOut into `image_dir` (a delta of `parent` when given) while the
+    /// workload runs: its data file allocated and registered for DMA (see the module docs).
+    Prepare {
+        image_dir: PathBuf,
+        #[serde(default)]
+        parent: Option<PathBuf>,
+    },
 }
 
 /// The verbs [`Request`] knows, to tell an unknown verb from a malformed request.
-pub const VERBS: [&str; 11] = [
+pub const VERBS: [&str; 12] = [
     "Freeze",
     "CopyOut",
     "Release",
@@ -109,6 +124,7 @@ pub const VERBS: [&str; 11] = [
     "Snapshot",
     "WriteSnapshot",
     "DropSnapshot",
+    "Prepare",
 ];
 
 impl Request {
@@ -126,6 +142,7 @@ impl Request {
             Request::Snapshot => Verb::Snapshot,
             Request::WriteSnapshot { .. } => Verb::WriteSnapshot,
             Request::DropSnapshot => Verb::DropSnapshot,
+            Request::Prepare { .. } => Verb::Prepare,
         }
     }
 }
@@ -144,6 +161,7 @@ pub enum Verb {
     Snapshot,
     WriteSnapshot,
     DropSnapshot,
+    Prepare,
 }
 
 /// Where the hook is in the checkpoint sequence. Declaration order is the protocol
@@ -191,6 +209,17 @@ pub enum Outcome {
     Snapshotted(SnapshotReport),
     SnapshotWritten(CopyOutReport),
     SnapshotDropped,
+    Prepared(PrepareReport),
+}
+
+/// A Prepare's result: the data file's size (every chunk's place), the windows
+/// registered and how long allocating and registering took.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct PrepareReport {
+    pub bytes: u64,
+    pub windows: usize,
+    pub allocate_seconds: f64,
+    pub register_seconds: f64,
 }
 
 /// A snapshot's result: the release (its `held` is the snapshot's address), the
@@ -243,8 +272,12 @@ pub struct CopyProfile {
     /// first copy (0 without the device hash).
     pub device_hash: f64,
     /// Copy-out: making the image writer (its workers' files, the parent chain) and, in
-    /// direct mode, the direct data file with all its pages.
+    /// direct mode, the direct data file with all its pages (done by Prepare when
+    /// prepared).
     pub setup: f64,
+    /// Copy-out after a Prepare: unregistering the data file's windows.
+    #[serde(default)]
+    pub unregister: f64,
 }
 
 /// A release's, remap's or reattach's result.

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use gpucr_hook::control::{socket_path, ControlClient, ControlError};
 use gpucr_hook::protocol::{
-    CheckpointState, HookStatus, Outcome, Reply, Request, SnapshotReport, Verb,
+    CheckpointState, HookStatus, Outcome, PrepareReport, Reply, Request, SnapshotReport, Verb,
 };
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -220,6 +220,15 @@ impl Conn {
         }
     }
 
+    /// Prepare a CopyOut into `<dir>/<name>` while the process runs.
+    fn prepare(&mut self, dir: &File, name: &Path) -> Result<PrepareReport> {
+        let reply = self.client.prepare_fd(dir, name, None);
+        match self.reply(Verb::Prepare, reply)? {
+            Outcome::Prepared(r) => Ok(r),
+            other => Err(self.unexpected(Verb::Prepare, &other)),
+        }
+    }
+
     /// A verb whose reply may come with memory fds: the outcome and the fds.
     fn call_for_fds(
         &mut self,
@@ -347,6 +356,15 @@ pub struct ProcessRecord {
     /// snapshotted; `copy_out_ms` is then the image's write after the thaw.
     #[serde(default)]
     pub snapshot_ms: u64,
+    /// From the Freeze to the Thaw: how long the process's GPU work was held (0 when
+    /// not thawed by this checkpoint, e.g. it exited).
+    #[serde(default)]
+    pub gpu_paused_ms: u64,
+    /// Whether the copy-out was prepared before the freeze, and how long that took.
+    #[serde(default)]
+    pub prepared: bool,
+    #[serde(default)]
+    pub prepare_ms: u64,
 }
 
 /// A process left to the driver path, and why.
@@ -460,6 +478,8 @@ struct Moved {
     /// Kept memory (Release with `keep`): addresses and the fds that hold it.
     held: Vec<u64>,
     fds: Vec<OwnedFd>,
+    /// When the Freeze was asked for.
+    frozen_at: Instant,
 }
 
 /// The hook's part of one checkpoint: processes frozen with their memory in the image
@@ -565,6 +585,28 @@ impl HookCheckpoint {
                 status.state
             )));
         }
+        let name = PathBuf::from(p.ns_pid.to_string());
+        let (mut prepared, mut prepare_ms) = (false, 0);
+        if !self.snapshot {
+            // The image's data file allocated and registered while the process runs: the
+            // frozen copy-out then only moves bytes. Refused where it cannot help (an
+            // image off tmpfs): the copy-out stages as before.
+            let t = Instant::now();
+            match conn.prepare(dir, &name) {
+                Ok(r) => {
+                    (prepared, prepare_ms) = (true, ms_since(t));
+                    tracing::info!(id = %self.id, pid = p.host_pid, bytes = r.bytes,
+                        windows = r.windows, prepare_ms, "copy-out prepared while the process runs");
+                }
+                Err(HookError::Verb { message, .. }) => tracing::info!(
+                    id = %self.id,
+                    pid = p.host_pid,
+                    reason = %message,
+                    "copy-out not prepared"
+                ),
+                Err(e) => return Err(fallback(e)),
+            }
+        }
         let mut moved = Moved {
             process: p.clone(),
             stage: Stage::Frozen,
@@ -578,11 +620,15 @@ impl HookCheckpoint {
                 release_ms: 0,
                 kept: 0,
                 snapshot_ms: 0,
+                gpu_paused_ms: 0,
+                prepared,
+                prepare_ms,
             },
             held: Vec::new(),
             fds: Vec::new(),
+            frozen_at: Instant::now(),
         };
-        let t = Instant::now();
+        let t = moved.frozen_at;
         conn.call(&Request::Freeze).map_err(fallback)?;
         moved.record.freeze_ms = ms_since(t);
         if self.snapshot && fds_fit(p.host_pid, 1) {
@@ -607,7 +653,6 @@ impl HookCheckpoint {
             }
         }
         let t = Instant::now();
-        let name = PathBuf::from(p.ns_pid.to_string());
         let steps = conn.copy_out(dir, &name).and_then(|(bytes, allocations)| {
             moved.stage = Stage::CopiedOut;
             moved.record.copy_out_ms = ms_since(t);
@@ -632,7 +677,7 @@ impl HookCheckpoint {
     fn undo_one(&self, moved: &mut Moved, conn: &mut Conn, e: HookError) -> Outcome1 {
         let p = &moved.process;
         let (host_pid, ns_pid) = (p.host_pid, p.ns_pid);
-        match give_back_one(&self.image, moved, conn) {
+        match give_back_one(&self.id, &self.image, moved, conn) {
             Ok(()) => {
                 let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, ns_pid));
                 Outcome1::Fallback(e.to_string())
@@ -705,7 +750,7 @@ impl HookCheckpoint {
                 continue;
             }
             let res = Conn::open(&m.process)
-                .and_then(|mut conn| give_back_one(&self.image, m, &mut conn));
+                .and_then(|mut conn| give_back_one(&self.id, &self.image, m, &mut conn));
             if let Err(e) = res {
                 tracing::error!(id = %self.id, pid = m.process.host_pid, "hook: {e}");
                 let e = match (m.stage, e) {
@@ -776,7 +821,7 @@ impl HookCheckpoint {
 /// Reattach → Thaw when the memory was kept, else Remap → CopyIn → Thaw (also after a
 /// failed Reattach), or Thaw alone when nothing was released. A snapshot's Reattach must
 /// work (its image is not written yet): it is that process's only way back.
-fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
+fn give_back_one(id: &str, image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
     if m.stage == Stage::Snapshotted {
         let t = Instant::now();
         let fds = std::mem::take(&mut m.fds);
@@ -786,6 +831,7 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
                 cause: format!("its snapshot could not be mapped back: {e}"),
             })?;
         tracing::info!(
+            id,
             pid = m.process.host_pid,
             allocations = m.record.kept,
             reattach_ms = ms_since(t),
@@ -799,6 +845,7 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
         match conn.reattach(&m.held, &fds) {
             Ok(()) => {
                 tracing::info!(
+                    id,
                     pid = m.process.host_pid,
                     allocations = fds.len(),
                     reattach_ms = ms_since(t),
@@ -807,6 +854,7 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
                 m.stage = Stage::Reattached;
             }
             Err(e) => tracing::warn!(
+                id,
                 pid = m.process.host_pid,
                 error = %e,
                 "kept device memory not reattached; copying it in from the image"
@@ -821,6 +869,7 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
         let t = Instant::now();
         let bytes = conn.copy_in(&HookRecord::image_of(image, m.process.ns_pid))?;
         tracing::info!(
+            id,
             pid = m.process.host_pid,
             remap_ms,
             copy_in_ms = ms_since(t),
@@ -829,6 +878,13 @@ fn give_back_one(image: &Path, m: &mut Moved, conn: &mut Conn) -> Result<()> {
         );
     }
     conn.call(&Request::Thaw)?;
+    m.record.gpu_paused_ms = ms_since(m.frozen_at);
+    tracing::info!(
+        id,
+        pid = m.process.host_pid,
+        gpu_paused_ms = m.record.gpu_paused_ms,
+        "GPU work resumed by the hook"
+    );
     m.stage = match m.stage {
         Stage::SnapshotReattached => Stage::WritePending,
         _ => Stage::Done,
@@ -874,8 +930,10 @@ pub fn copy_in_restored(
             record: p.clone(),
             held: Vec::new(),
             fds: Vec::new(),
+            // Held since the dump; counted here from the give-back.
+            frozen_at: Instant::now(),
         };
-        give_back_one(image, &mut moved, &mut conn)?;
+        give_back_one(id, image, &mut moved, &mut conn)?;
         tracing::info!(
             id,
             ns_pid = p.ns_pid,

@@ -339,3 +339,30 @@ fn a_failed_checkpoint_drops_the_snapshot_and_a_failed_write_is_reported() {
     assert!(matches!(err, HookError::Stranded { .. }), "{err}");
     assert!(!cp.images_complete());
 }
+
+#[test]
+fn a_copy_out_into_tmpfs_is_prepared_while_the_process_runs() {
+    let shm = Path::new("/dev/shm");
+    if !gpu_state::image::is_tmpfs(shm) {
+        eprintln!("skipped: /dev/shm is not tmpfs");
+        return;
+    }
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    for (image, prepared) in [(tempfile::tempdir_in(shm).unwrap(), true), (disk, false)] {
+        let p = fake(31);
+        let cp = checkpoint_one(&p, image.path(), false, false);
+        let record = cp.record();
+        assert_eq!(record.processes[0].prepared, prepared, "{record:?}");
+        record.validate(image.path()).unwrap();
+        cp.give_back().unwrap();
+        p.assert_intact();
+        // Nothing of the Prepare is left: one image directory, nothing registered.
+        let names: Vec<_> =
+            std::fs::read_dir(HookRecord::image_of(image.path(), 31).parent().unwrap())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+        assert_eq!(names, [std::ffi::OsString::from("31")]);
+        assert_eq!(p.driver.registered_ranges(), 0);
+    }
+}

@@ -2,6 +2,8 @@
 
   check REF FILE                 compare a workload's lines with an uninterrupted reference run
   laststep FILE                  the last step number in FILE (-1 if none)
+  splice BEFORE AFTER OUT        steps of BEFORE up to AFTER's first step, then AFTER (a restore
+                                 without the rw layer starts a fresh steps file)
   repack CONTENT_DIR INDEX RUNTIME SNAPSHOTTER RW > layout.tar
                                  turn a `ctr task checkpoint` index into a checkpoint image that
                                  `ctr container restore` (containerd 1.7) reads
@@ -78,6 +80,25 @@ def check(ref_path, path):
     print(line)
     if not ok:
         sys.exit(1)
+
+
+def splice(before, after, out):
+    """A restore without the rootfs (no rw layer): the restored process writes its steps
+    into a fresh file. BEFORE (the steps file at the kill) up to the first step AFTER has,
+    then AFTER, into OUT: the sequence the restored process continued."""
+    later = [s for kind, s, _ in read_lines(after) if kind == "step"]
+    first = later[0] if later else None
+    lines = []
+    with open(before) as f:
+        for raw in f:
+            m = LINE.match(raw.strip())
+            if m and m.group(1) == "step" and first is not None and int(m.group(2)) >= first:
+                break
+            lines.append(raw)
+    with open(after) as f:
+        lines.extend(f.readlines())
+    with open(out, "w") as f:
+        f.writelines(lines)
 
 
 def laststep(path):
@@ -168,7 +189,8 @@ def image_files(content_dir, index_digest, outdir, names):
 def shimlog(log, cid):
     """Timing fields of the gpucr shim's lines for one container, last value of each wins:
     gpu_quiesce_ms ("GPU locked and checkpointed"), dump_ms ("checkpointed"),
-    restore_ms ("restored", runc restore + GPU restore), gpu_restored (process count)."""
+    restore_ms ("restored", runc restore + GPU restore), gpu_restored (process count),
+    and the hook's: gpu_paused_ms (freeze to thaw), snapshot_reattach_ms, snapshot_write_ms."""
     found = {}
     pat_id = re.compile(r'\bid="?' + re.escape(cid) + r'"?(\s|$)')
     with open(log, errors="replace") as f:
@@ -186,6 +208,12 @@ def shimlog(log, cid):
                 found["dump_ms"] = field("dump_ms")
             elif re.search(r"\brestored\b", line) and field("elapsed_ms"):
                 found["restore_ms"] = field("elapsed_ms")
+            elif "snapshot written while the process runs" in line and field("write_ms"):
+                found["snapshot_write_ms"] = field("write_ms")
+            elif "from its snapshot on the GPU" in line and field("reattach_ms"):
+                found["snapshot_reattach_ms"] = field("reattach_ms")
+            elif "GPU work resumed by the hook" in line and field("gpu_paused_ms"):
+                found["gpu_paused_ms"] = field("gpu_paused_ms")
     print(" ".join(f"{k}={v}" for k, v in sorted(found.items())))
 
 
@@ -210,6 +238,8 @@ def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "check" and len(args) == 2:
         check(*args)
+    elif cmd == "splice" and len(args) == 3:
+        splice(*args)
     elif cmd == "laststep" and len(args) == 1:
         laststep(*args)
     elif cmd == "repack" and len(args) == 5:

@@ -11,6 +11,9 @@
 #             restore+unlock; N GiB of device memory
 #   b         gpucr: `ctr task checkpoint` (leaves the task running) and the workload goes on;
 #   b-restore   then a restore of that checkpoint (repackaged as ctr 1.7 needs)
+#   s         gpucr with the hook (GPUCR_E2E_HOOK=1): the shim's Checkpoint over ttrpc with no
+#             Pause (shim-ckpt), so the hook snapshots on the GPU and the task runs on while the
+#             image is written; s-restore: kill, `ctr c restore --live` of that directory
 #   c         gpucr: `ctr c checkpoint --task --rw`, kill, rm, `ctr c restore --live --rw`
 #   d         gpucr with a PyTorch workload (host's python and torch bind-mounted read-only)
 #   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
@@ -223,6 +226,8 @@ EOF
   ln -sf "$b" "$BIN/busybox"
   install -m 0755 "$CARRY/bin/containerd-shim-gpucr-v2" "$BIN/containerd-shim-gpucr-v2"
   install -m 0644 "$CARRY/bin/libgpucr_criu_plugin.so" "$TOOLS/criu-plugin/libgpucr_criu_plugin.so"
+  [ -f "$CARRY/bin/shim-ckpt" ] || die "$CARRY/bin/shim-ckpt missing (prepare-carry.sh)"
+  install -m 0755 "$CARRY/bin/shim-ckpt" "$BIN/shim-ckpt"
   HOOK_ENV=()
   if [ "${GPUCR_E2E_HOOK:-0}" = 1 ]; then
     [ -f "$CARRY/bin/libgpucr_hook.so" ] || die "GPUCR_E2E_HOOK=1 but carry/bin/libgpucr_hook.so is missing"
@@ -748,6 +753,85 @@ scenario_b() {
   fi
 }
 
+# scenario_s ID NAME: the shim's Checkpoint over ttrpc with no Pause around it (shim-ckpt: what a
+# client that does not pause sends; ctr, CRI and nerdctl pause the task), so with the hook gpucr
+# takes its leave-running snapshot path: the device memory is copied on the GPU, the task runs on
+# while the image is written. Then NAME-restore: kill, `ctr c restore --live` of that directory.
+scenario_s() {
+  local id=$1 name=$2 t0 pid before figs="" ok=1 out off dir spec ref v
+  t0=$(now_ms)
+  pid=$(task_pid "$id")
+  out=$(hash_now "$id") && figs+="before=[$out] "
+  before=$(laststep "$pid")
+  spec=$LOGS/$id-$name-spec.json
+  if ! CTR_T=30 cc c info --spec "$id" >"$spec" 2>"$LOGS/$id-$name-spec.err"; then
+    result "$name" FAIL 0 "ctr c info --spec failed: $(head -c 300 "$LOGS/$id-$name-spec.err")"
+    return 1
+  fi
+  dir=$DATA/ckpt-$name
+  rm -rf "$dir"
+  off=$(log_lines)
+  if ! timeout -k 5 "$(bigt)" "$BIN/shim-ckpt" checkpoint "$DATA/state/io.containerd.runtime.v2.task/$NS/$id/address" \
+    "$NS" "$id" "$dir" >"$LOGS/$id-$name.txt" 2>&1; then
+    result "$name" FAIL "$(secs_since "$t0")" "shim Checkpoint failed: $(head -c 300 "$LOGS/$id-$name.txt" | tr '\n' ' ') $(criu_err "$id")"
+    return 1
+  fi
+  tail -n +"$((off + 1))" "$CTD_LOG" >"$LOGS/$id-$name-ckpt-ctd.log"
+  figs+="$(tr '\n' ' ' <"$LOGS/$id-$name.txt")$($HELPER shimlog "$LOGS/$id-$name-ckpt-ctd.log" "$id") "
+  figs+="image_mib=$(du -sm "$dir" | cut -f1) "
+  if [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ]; then
+    grep -q "snapshot written while the process runs" "$LOGS/$id-$name-ckpt-ctd.log" \
+      || { ok=0; figs+="NO_SNAPSHOT "; }
+  fi
+  wait_step "$pid" $((before + 3)) 60 || ok=0
+  out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
+  v=$(verify "$id" "$name") || ok=0
+  if [ "$ok" = 1 ]; then
+    result "$name" PASS "$(secs_since "$t0")" "$v still_running_after_step=$before $figs"
+  else
+    result "$name" FAIL "$(secs_since "$t0")" "$v $figs"
+    return 1
+  fi
+
+  t0=$(now_ms)
+  figs=""
+  ref=docker.io/gpucr-e2e/shim-ckpt-$id:1
+  # No rw layer travels: the restored process writes a fresh /tmp/steps, checked after these.
+  cp "$(steps_file "$pid")" "$LOGS/$id-$name-at-kill.steps"
+  kill_rm "$id"
+  if ! { "$BIN/shim-ckpt" layout "$dir" "$WL_IMAGE" "$GPUCR_RT" "$spec" "$ref" \
+    | CTR_T=$(bigt) cc image import --no-unpack -; } >"$LOGS/$id-$name-import.txt" 2>&1; then
+    result "$name-restore" FAIL "$(secs_since "$t0")" "layout/import failed: $(head -c 300 "$LOGS/$id-$name-import.txt")"
+    return 1
+  fi
+  local rt0
+  rt0=$(now_ms)
+  off=$(log_lines)
+  if ! CTR_T=$(bigt) cc c restore --live "$id" "$ref" >"$LOGS/$id-$name-restore.txt" 2>&1; then
+    CTR_T=60 cc image rm --sync "$ref" >/dev/null 2>&1 || true
+    result "$name-restore" FAIL "$(secs_since "$t0")" "ctr c restore failed: $(head -c 300 "$LOGS/$id-$name-restore.txt" | tr '\n' ' ') $(criu_err "$id")"
+    return 1
+  fi
+  figs+="ctr_restore_s=$(secs_since "$rt0") "
+  tail -n +"$((off + 1))" "$CTD_LOG" >"$LOGS/$id-$name-restore-ctd.log"
+  figs+="$($HELPER shimlog "$LOGS/$id-$name-restore-ctd.log" "$id") "
+  CTR_T=120 cc image rm --sync "$ref" >/dev/null 2>&1 || log "could not remove $ref"
+  rm -rf "$dir"
+  pid=$(task_pid "$id")
+  ok=1
+  [ -n "$pid" ] && wait_step "$pid" $((before + 3)) 60 || ok=0
+  out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
+  cp "$(steps_file "$pid")" "$LOGS/$id-$name-restored.steps" 2>/dev/null || ok=0
+  $HELPER splice "$LOGS/$id-$name-at-kill.steps" "$LOGS/$id-$name-restored.steps" "$LOGS/$id-$name-restore.steps"
+  v=$($HELPER check "$WL_REF" "$LOGS/$id-$name-restore.steps") || ok=0
+  if [ "$ok" = 1 ]; then
+    result "$name-restore" PASS "$(secs_since "$t0")" "$v $figs"
+  else
+    result "$name-restore" FAIL "$(secs_since "$t0")" "$v $figs"
+    return 1
+  fi
+}
+
 # want NAME...: whether GPUCR_E2E_ONLY (when set) names one of them.
 want() {
   [ -z "${GPUCR_E2E_ONLY:-}" ] && return 0
@@ -776,7 +860,7 @@ ctr run --help 2>&1 | grep -qE -- '--device' || die "this ctr has no 'run --devi
 
 if [ "$DRY" = 1 ]; then
   build_images
-  EXPECTED="smoke-runc.v2 smoke-gpucr.v2 b b-restore c-cpu-gpucr c-cpu-runc"
+  EXPECTED="smoke-runc.v2 smoke-gpucr.v2 b b-restore s-cpu s-cpu-restore c-cpu-gpucr c-cpu-runc"
   log "smoke: busybox through both runtimes"
   for rt in "$RUNC_RT" "$GPUCR_RT"; do
     t0=$(now_ms)
@@ -791,6 +875,10 @@ if [ "$DRY" = 1 ]; then
   if start_workload cpudc "$GPUCR_RT"; then
     scenario_b cpudc || true
     [ "$(task_status cpudc)" = RUNNING ] || { kill_rm cpudc; start_workload cpudc "$GPUCR_RT" || true; }
+    scenario_s cpudc s-cpu || true
+    # The restored container's /tmp/steps starts at its restore: c needs a fresh one.
+    kill_rm cpudc
+    start_workload cpudc "$GPUCR_RT" || true
     cr_cycle cpudc gpucr c-cpu-gpucr || true
     kill_rm cpudc
   else
@@ -805,7 +893,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore c cdi e d t gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore s s-restore c cdi e d t gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -838,6 +926,18 @@ else
   result b FAIL 0 "the CUDA container did not start (see logs/gpucr.stdio)"
 fi
 kill_rm gpucr
+
+# s + s-restore: gpucr with the hook, a checkpoint no client pauses (the snapshot path).
+if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
+  SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all s s-restore
+elif ! want s s-restore; then
+  skip_all s s-restore
+elif start_workload snap "$GPUCR_RT"; then
+  scenario_s snap s || true
+else
+  result s FAIL 0 "the CUDA container did not start (see logs/snap.stdio)"
+fi
+kill_rm snap
 
 # cdi (issues 5 and 6): the GPU comes from a CDI spec (nvidia.com/gpu=0: device nodes, the
 # driver directory, the GPU's UUID in NVIDIA_VISIBLE_DEVICES), not from ctr flags. Between

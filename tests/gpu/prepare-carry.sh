@@ -3,7 +3,8 @@
 #   carry/debs/  Debian .deb files the GPU machine lacks: containerd 1.7, runc 1.1, CRIU 4.1 and
 #                its libraries (trixie), busybox-static 1.35 (bookworm: trixie's 1.37 mis-restarts
 #                `sleep` after CRIU)
-#   carry/bin/   containerd-shim-gpucr-v2, libgpucr_criu_plugin.so and libgpucr_hook.so (release builds)
+#   carry/bin/   containerd-shim-gpucr-v2, libgpucr_criu_plugin.so, libgpucr_hook.so and shim-ckpt
+#                (release builds; shim-ckpt: h200-e2e.sh's scenario s)
 # usage: tests/gpu/prepare-carry.sh [--no-build]
 # The release binaries come from $CARGO_TARGET_DIR/release (default target/release); they are
 # built first unless --no-build is given. carry/ is git-ignored; the device tool takes it along
@@ -22,7 +23,7 @@ trixie_pkgs=(
   libxtables12 libedit2 libbsd0 libgnutls30t64 libnettle8t64 libhogweed6t64 libunistring5
   libp11-kit0 libtasn1-6 libidn2-0 libgmp10 libmd0 libffi8
 )
-limit_mib=62   # the device tool carries 64 MiB in all, the working tree included
+limit_mib=63   # the device tool carries 64 MiB in all, the working tree included
 
 git check-ignore -q carry/ || { echo "error: carry/ is not git-ignored (add /carry to .gitignore)" >&2; exit 1; }
 
@@ -30,6 +31,7 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 if [ "$build" = 1 ]; then
   echo "== cargo build --release (target dir $target)"
   CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload
+  CARGO_TARGET_DIR=$target cargo build --release -p gpucr-tests --bin shim-ckpt
 fi
 
 rm -rf carry/debs carry/bin
@@ -49,8 +51,8 @@ for p in "${trixie_pkgs[@]}" busybox-static; do
 done
 
 for f in "$target/release/containerd-shim-gpucr-v2" "$target/release/libgpucr_criu_plugin.so" \
-  "$target/release/libgpucr_hook.so"; do
-  [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload" >&2; exit 1; }
+  "$target/release/libgpucr_hook.so" "$target/release/shim-ckpt"; do
+  [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload and -p gpucr-tests --bin shim-ckpt" >&2; exit 1; }
   cp "$f" carry/bin/
 done
 strip carry/bin/* 2>/dev/null || true

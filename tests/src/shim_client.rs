@@ -28,10 +28,7 @@ impl Containerd {
     /// A ttrpc Task client connected to the shim of task `id`, and a call context carrying
     /// this daemon's namespace.
     pub fn shim_client(&self, id: &str) -> Result<(TaskClient, context::Context)> {
-        let client = Client::connect(&self.shim_address(id)?)?;
-        let mut ctx = context::with_timeout(RPC_TIMEOUT_NS);
-        ctx.add(NAMESPACE_HEADER.to_owned(), self.namespace().to_owned());
-        Ok((TaskClient::new(client), ctx))
+        connect(&self.shim_address(id)?, self.namespace(), RPC_TIMEOUT_NS)
     }
 
     /// Sets the task's memory limit through the shim's `Update` RPC, the way containerd's
@@ -51,6 +48,53 @@ impl Containerd {
         client.update(ctx, &request)?;
         Ok(())
     }
+}
+
+/// A ttrpc Task client connected to the shim at `address` and a call context for
+/// `namespace` that times out after `timeout_ns`.
+pub fn connect(
+    address: &str,
+    namespace: &str,
+    timeout_ns: i64,
+) -> Result<(TaskClient, context::Context)> {
+    let client = Client::connect(address)?;
+    let mut ctx = context::with_timeout(timeout_ns);
+    ctx.add(NAMESPACE_HEADER.to_owned(), namespace.to_owned());
+    Ok((TaskClient::new(client), ctx))
+}
+
+/// The shim's Checkpoint RPC for task `id` into directory `dir` with `flags`, as containerd
+/// 2.x's daemon forwards it (path = the image path, `CheckpointOptions`), and nothing else:
+/// no Pause before it, no Resume after it.
+pub fn checkpoint_over_ttrpc(
+    client: &TaskClient,
+    ctx: context::Context,
+    id: &str,
+    dir: &std::path::Path,
+    flags: &CheckpointFlags<'_>,
+) -> Result<()> {
+    let options = containerd_shim_protos::shim::oci::CheckpointOptions {
+        exit: flags.exit,
+        image_path: dir.to_string_lossy().into_owned(),
+        work_path: flags
+            .work_path
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        ..Default::default()
+    };
+    let request = containerd_shim_protos::api::CheckpointTaskRequest {
+        id: id.to_owned(),
+        path: dir.to_string_lossy().into_owned(),
+        options: protobuf::MessageField::some(Any {
+            type_url: "containerd.runc.v1.CheckpointOptions".to_owned(),
+            value: protobuf::Message::write_to_bytes(&options)
+                .map_err(|e| HarnessError::Unexpected(format!("encoding options: {e}")))?,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    client.checkpoint(ctx, &request)?;
+    Ok(())
 }
 
 /// Flags of `ctr task checkpoint` that travel as `containerd.runc.v1.CheckpointOptions`.
@@ -141,29 +185,8 @@ impl Containerd {
         dir: &std::path::Path,
         flags: &CheckpointFlags<'_>,
     ) -> Result<()> {
-        let options = containerd_shim_protos::shim::oci::CheckpointOptions {
-            exit: flags.exit,
-            image_path: dir.to_string_lossy().into_owned(),
-            work_path: flags
-                .work_path
-                .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            ..Default::default()
-        };
-        let request = containerd_shim_protos::api::CheckpointTaskRequest {
-            id: id.to_owned(),
-            path: dir.to_string_lossy().into_owned(),
-            options: protobuf::MessageField::some(Any {
-                type_url: "containerd.runc.v1.CheckpointOptions".to_owned(),
-                value: protobuf::Message::write_to_bytes(&options)
-                    .map_err(|e| HarnessError::Unexpected(format!("encoding options: {e}")))?,
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
         let (client, ctx) = self.shim_client(id)?;
-        client.checkpoint(ctx, &request)?;
-        Ok(())
+        checkpoint_over_ttrpc(&client, ctx, id, dir, flags)
     }
 
     /// Restores container `id` (which must not exist) from a checkpoint `outcome`; `image` and

@@ -171,6 +171,9 @@ struct Direct {
     map: Arc<DirectMap>,
     /// Its index in the manifest's files (after the workers' files).
     file: u32,
+    /// Places of chunks resolved after the file was made (no copy): given back at
+    /// [`finish`](ImageWriter::finish), adjacent ones in one go.
+    unused: Vec<(u64, u64)>,
 }
 
 /// Writes one GPU state image. See the module docs for the protocol.
@@ -361,8 +364,8 @@ impl ImageWriter {
     /// stores with that digest, is recorded now and needs no copy: `false`. Otherwise the
     /// digest is kept for the chunk, whose bytes then go through [`stage`](Self::stage)
     /// or [`stage_direct`](Self::stage_direct) as usual (the workers only CRC them): `true`.
-    /// Call it before [`start_direct`](Self::start_direct), which then leaves resolved
-    /// chunks no place.
+    /// Best called before [`start_direct`](Self::start_direct), which then leaves
+    /// resolved chunks no place; after it, their places are given back at the finish.
     pub fn resolve(
         &mut self,
         alloc: AllocId,
@@ -394,6 +397,14 @@ impl ImageWriter {
             },
         }
         self.allocations[alloc.0].submitted[index] = true;
+        // Not submitted before: a place laid out for it is its own (none when its
+        // allocation was begun after the file was made).
+        let place = self.allocations[alloc.0].direct_at.get(index);
+        if let (Some(direct), Some(&at)) = (&mut self.direct, place) {
+            direct
+                .unused
+                .push((at, (len as u64).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN));
+        }
         self.record(done);
         Ok(false)
     }
@@ -481,6 +492,7 @@ impl ImageWriter {
         self.direct = Some(Direct {
             map: Arc::new(map),
             file: self.opts.threads as u32,
+            unused: Vec::new(),
         });
         tracing::debug!(bytes = len, "direct data file mapped");
         Ok(region)
@@ -631,6 +643,21 @@ impl ImageWriter {
                 .max()
                 .unwrap_or(0);
             let path = self.temp.join(DIRECT_FILE);
+            let mut unused = direct.unused;
+            unused.sort_unstable();
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for (at, len) in unused {
+                match runs.last_mut() {
+                    Some(run) if run.0 + run.1 == at => run.1 += len,
+                    _ => runs.push((at, len)),
+                }
+            }
+            for (at, len) in runs.into_iter().filter(|&(at, _)| at < end) {
+                direct
+                    .map
+                    .punch(at, len.min(end - at) as usize)
+                    .map_err(|e| ImageError::io(&path, e))?;
+            }
             direct
                 .map
                 .finish(end)
