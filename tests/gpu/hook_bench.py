@@ -464,6 +464,61 @@ def main():
             for d in (img9, img10):
                 shutil.rmtree(d, ignore_errors=True)
 
+        if "prep" in phases:
+            # Side by side in one process: a full copy-out staged as before, then the same
+            # prepared (Prepare while the workload runs, then Freeze -> CopyOut), restored
+            # from (Release -> Remap -> CopyIn); then incremental copy-outs against it,
+            # prepared and staged.
+            imgs = {k: os.path.join(a.tmpfs, f"img-{k}-{label}") for k in ("s", "p", "pi", "si")}
+            for d in imgs.values():
+                shutil.rmtree(d, ignore_errors=True)
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            h.call("Freeze")
+            staged, rep_s = h.call("CopyOut", image_dir=imgs["s"], parent=None)
+            h.call("Thaw")
+            shutil.rmtree(imgs["s"], ignore_errors=True)  # two full images may not fit
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            prep, prep_rep = h.call("Prepare", image_dir=imgs["p"], parent=None)
+            steps_prep = last_step(steps)
+            fz, _ = h.call("Freeze")
+            co, rep = h.call("CopyOut", image_dir=imgs["p"], parent=None)
+            rl, _, _, _ = h.release(False)
+            rm, _ = h.call("Remap")
+            ci, cin = h.call("CopyIn", image_dir=imgs["p"])
+            h.call("Thaw")
+            nbytes = rep.get("bytes", 0)
+            record("prep", prepare_ms=round(prep, 1), prepare=prep_rep,
+                   copy_out_ms=round(co, 1), copy_out_gbps=round(nbytes / co / 1e6, 2),
+                   staged_ms=round(staged, 1), staged_gbps=round(rep_s.get("bytes", 0) / staged / 1e6, 2),
+                   ratio_staged_vs_prepared=round(staged / co, 2),
+                   prepare_plus_copy_out_ms=round(prep + co, 1),
+                   release_ms=round(rl, 1), remap_ms=round(rm, 1), copy_in_ms=round(ci, 1),
+                   copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2),
+                   image_mib=du(imgs["p"]) >> 20, peak_staging_mib=rep.get("peak_staging_bytes", 0) >> 20,
+                   out_profile=rep.get("profile"), staged_profile=rep_s.get("profile"),
+                   in_profile=cin.get("profile"), steps_during_prepare=steps_prep)
+            gh1_check(imgs["p"], record)
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            iprep, iprep_rep = h.call("Prepare", image_dir=imgs["pi"], parent=imgs["p"])
+            h.call("Freeze")
+            ico, irep = h.call("CopyOut", image_dir=imgs["pi"], parent=imgs["p"])
+            h.call("Thaw")
+            wait_step(steps, proc.pid, last_step(steps) + 1, 30)
+            h.call("Freeze")
+            sco, srep = h.call("CopyOut", image_dir=imgs["si"], parent=imgs["p"])
+            h.call("Thaw")
+            record("prepincr", prepare_ms=round(iprep, 1), copy_out_ms=round(ico, 1),
+                   staged_incr_ms=round(sco, 1), full_prepared_ms=round(co, 1),
+                   full_staged_ms=round(staged, 1),
+                   ratio_full_vs_incr_prepared=round(co / ico, 1),
+                   ratio_full_staged_vs_incr_prepared=round(staged / ico, 1),
+                   ratio_full_vs_incr_staged=round(staged / sco, 1),
+                   copied_mib=irep.get("copied_bytes", 0) >> 20,
+                   parent_chunks=irep.get("parent_chunks"), image_mib=du(imgs["pi"]) >> 20,
+                   out_profile=irep.get("profile"), staged_profile=srep.get("profile"))
+            for d in imgs.values():
+                shutil.rmtree(d, ignore_errors=True)
+
         if "disk" in phases:
             img_disk = os.path.join(a.disk, f"img-{label}")
             shutil.rmtree(img_disk, ignore_errors=True)
