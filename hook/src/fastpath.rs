@@ -929,6 +929,15 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if !self.opts.pin {
             return Err(FastPathError::NotPrepared("pinning is off".into()));
         }
+        if parent.is_some() {
+            // Its places would be laid out before the GPU hash tells which chunks the
+            // parent holds: all of them allocated and pinned for the few that change
+            // (H200, 16 GiB with 1 changing: Prepare 1.2 s + CopyOut 0.39 s against a
+            // staged incremental CopyOut of 0.17 s).
+            return Err(FastPathError::NotPrepared(
+                "an incremental copy-out stages only what changed".into(),
+            ));
+        }
         let since = Instant::now();
         let target = Target::of(image_dir, parent).map_err(|e| {
             FastPathError::NotPrepared(format!("cannot identify the image's directory: {e}"))

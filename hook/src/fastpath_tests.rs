@@ -1676,31 +1676,36 @@ fn prepare_is_refused_off_tmpfs_when_off_or_failing_and_holds_nothing() {
 }
 
 #[test]
-fn a_prepared_incremental_copy_out_gives_back_the_places_of_skipped_chunks() {
+fn a_prepared_copy_out_gives_back_the_places_of_zero_chunks_and_incremental_ones_stage() {
     let Some(root) = tmpfs_dir() else { return };
     let s = with_device_hash(preparing());
     let mut expected = populate_hashable(&s);
     let (full, delta) = (root.path().join("full"), root.path().join("delta"));
+    let prepared = s.fast.prepare(&full, None).unwrap();
     s.fast.freeze().unwrap();
-    s.fast.copy_out(&full, None).unwrap();
+    let out = s.fast.copy_out(&full, None).unwrap();
+    assert!(out.zero_chunks > 0, "{out:?}");
+    assert_eq!(out.peak_staging_bytes, 0);
+    // Resolved on the GPU after the file was laid out: their places were punched.
+    let (blocks, _) = data_usage(&full);
+    assert!(
+        blocks <= out.copied_bytes + 16 * 4096,
+        "{blocks} allocated of the {} prepared for {out:?}",
+        prepared.bytes
+    );
+    assert_eq!(s.driver.registered_ranges(), 0);
     s.fast.thaw().unwrap();
+
     let (va, data) = &mut expected[2];
     data[3 * CHUNK + 5] ^= 0xff;
     s.driver.copy_from_host(*va, data).unwrap();
-
-    let prepared = s.fast.prepare(&delta, Some(&full)).unwrap();
+    let err = s.fast.prepare(&delta, Some(&full)).unwrap_err();
+    assert!(err.to_string().contains("incremental"), "{err}");
+    assert!(!s.fast.is_prepared());
     s.fast.freeze().unwrap();
     let before = s.driver.host_stats();
     let out = s.fast.copy_out(&delta, Some(&full)).unwrap();
     let moved = s.driver.host_stats().bytes_to_host - before.bytes_to_host;
     assert_eq!(moved, CHUNK as u64 + 4095, "{out:?}");
-    assert!(out.parent_chunks > 0 && out.zero_chunks > 0, "{out:?}");
-    let (blocks, _) = data_usage(&delta);
-    assert!(
-        blocks <= moved + 16 * 4096,
-        "{blocks} allocated of the {} prepared",
-        prepared.bytes
-    );
-    assert_eq!(s.driver.registered_ranges(), 0);
     round_trip(&s, &delta, &expected);
 }

@@ -215,10 +215,11 @@ impl Container {
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
         // The hook first: the driver's lock would block the hook's own CUDA calls. A
-        // paused task's give-back may wait for Resume: no snapshot to write then.
-        let snapshot = !req.exit && init.state != InitState::Paused;
+        // paused task must not run before its dump, and its give-back may wait for
+        // Resume: no Prepare, no snapshot to write then.
+        let running = init.state != InitState::Paused;
         let hooked = self
-            .hook_copy_out(init.state, image, !req.exit, snapshot)
+            .hook_copy_out(init.state, image, !req.exit, running)
             .await?;
         let quiesced = match self.quiesce_gpu(init.state).await {
             Ok(q) => q,
@@ -368,7 +369,7 @@ impl Container {
         state: InitState,
         image: &Path,
         keep: bool,
-        snapshot: bool,
+        running: bool,
     ) -> Result<Option<HookCheckpoint>> {
         if !self.hook || self.gpu.quiescer != gpu::Quiescer::Shim {
             return Ok(None);
@@ -382,7 +383,7 @@ impl Container {
         let (id, image) = (self.id.clone(), image.to_path_buf());
         let res = tokio::task::spawn_blocking(move || {
             let processes = gpu_hook::find(&sockets, &pids);
-            gpu_hook::copy_out(&id, &processes, &image, keep, snapshot)
+            gpu_hook::copy_out(&id, &processes, &image, keep, running)
         })
         .await;
         if paused {

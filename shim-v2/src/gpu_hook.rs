@@ -493,29 +493,35 @@ pub struct HookCheckpoint {
     keep: bool,
     /// Ask the hooks for a snapshot (the task lives on, and runs once given back).
     snapshot: bool,
+    /// Ask the hooks to prepare their copy-out before the freeze (the task may run).
+    prepare: bool,
     moved: Vec<Moved>,
     fallbacks: Vec<Fallback>,
 }
 
 /// Checkpoint, before the driver's lock: Status → Freeze → CopyOut → Release for each of
 /// `processes`, images under `<image>/gpu-hook/`; with `keep` (leave-running) the memory
-/// stays on the GPU, held by this shim until [`HookCheckpoint::give_back`]. With
-/// `snapshot` (and `keep`), Snapshot replaces CopyOut + Release where the hook can, and
-/// the image is written by [`HookCheckpoint::give_back_and_write`]. A process that
-/// cannot is left running for the driver path; an error means a process could not be
-/// brought back (every other one was).
+/// stays on the GPU, held by this shim until [`HookCheckpoint::give_back`]. A `running`
+/// task (not paused by the client) may run on while the hook prepares: with `keep`,
+/// Snapshot replaces CopyOut + Release where the hook can, and the image is written by
+/// [`HookCheckpoint::give_back_and_write`]; without, the CopyOut is prepared (Prepare)
+/// before the Freeze. A paused task gets neither: it must not run before its dump (the
+/// client took, or will take, its rootfs at the pause). A process that cannot is left
+/// running for the driver path; an error means a process could not be brought back
+/// (every other one was).
 pub fn copy_out(
     id: &str,
     processes: &[HookProcess],
     image: &Path,
     keep: bool,
-    snapshot: bool,
+    running: bool,
 ) -> Result<HookCheckpoint> {
     let mut cp = HookCheckpoint {
         id: id.to_string(),
         image: image.to_path_buf(),
         keep,
-        snapshot: keep && snapshot,
+        snapshot: keep && running,
+        prepare: running && !keep,
         moved: Vec::new(),
         fallbacks: Vec::new(),
     };
@@ -587,7 +593,7 @@ impl HookCheckpoint {
         }
         let name = PathBuf::from(p.ns_pid.to_string());
         let (mut prepared, mut prepare_ms) = (false, 0);
-        if !self.snapshot {
+        if self.prepare {
             // The image's data file allocated and registered while the process runs: the
             // frozen copy-out then only moves bytes. Refused where it cannot help (an
             // image off tmpfs): the copy-out stages as before.

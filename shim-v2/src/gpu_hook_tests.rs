@@ -69,8 +69,8 @@ impl FakeProcess {
 }
 
 /// The hook's part of a checkpoint of `p` alone, into `image`.
-fn checkpoint_one(p: &FakeProcess, image: &Path, keep: bool, snapshot: bool) -> HookCheckpoint {
-    copy_out("c", std::slice::from_ref(&p.process), image, keep, snapshot).unwrap()
+fn checkpoint_one(p: &FakeProcess, image: &Path, keep: bool, running: bool) -> HookCheckpoint {
+    copy_out("c", std::slice::from_ref(&p.process), image, keep, running).unwrap()
 }
 
 #[test]
@@ -341,16 +341,22 @@ fn a_failed_checkpoint_drops_the_snapshot_and_a_failed_write_is_reported() {
 }
 
 #[test]
-fn a_copy_out_into_tmpfs_is_prepared_while_the_process_runs() {
+fn a_copy_out_into_tmpfs_is_prepared_while_a_running_task_runs() {
     let shm = Path::new("/dev/shm");
     if !gpu_state::image::is_tmpfs(shm) {
         eprintln!("skipped: /dev/shm is not tmpfs");
         return;
     }
     let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-    for (image, prepared) in [(tempfile::tempdir_in(shm).unwrap(), true), (disk, false)] {
+    // Exit (no keep) of a running task: prepared where the image is on tmpfs; never for
+    // a paused task (it must not run before its dump).
+    for (image, running, prepared) in [
+        (tempfile::tempdir_in(shm).unwrap(), true, true),
+        (tempfile::tempdir_in(shm).unwrap(), false, false),
+        (disk, true, false),
+    ] {
         let p = fake(31);
-        let cp = checkpoint_one(&p, image.path(), false, false);
+        let cp = checkpoint_one(&p, image.path(), false, running);
         let record = cp.record();
         assert_eq!(record.processes[0].prepared, prepared, "{record:?}");
         record.validate(image.path()).unwrap();

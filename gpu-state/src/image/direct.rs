@@ -95,9 +95,16 @@ impl DirectMap {
         if let Err(e) = populated {
             // SAFETY: our mapping, unused.
             unsafe { libc::munmap(ptr.as_ptr().cast(), len) };
+            // Populating past what tmpfs (or memory) has left fails with EFAULT.
+            let why = match e.raw_os_error() {
+                Some(libc::EFAULT | libc::ENOSPC | libc::ENOMEM) => {
+                    " (no room: free space on that tmpfs or checkpoint elsewhere)"
+                }
+                _ => "",
+            };
             return Err(io::Error::new(
                 e.kind(),
-                format!("allocating {len} bytes of tmpfs for the image: {e}"),
+                format!("allocating {len} bytes of tmpfs for the image: {e}{why}"),
             ));
         }
         Ok(DirectMap { file, ptr, len })
