@@ -1676,7 +1676,7 @@ fn prepare_is_refused_off_tmpfs_when_off_or_failing_and_holds_nothing() {
 }
 
 #[test]
-fn a_prepared_copy_out_gives_back_the_places_of_zero_chunks_and_incremental_ones_stage() {
+fn a_prepared_incremental_copy_out_lays_out_only_what_changed() {
     let Some(root) = tmpfs_dir() else { return };
     let s = with_device_hash(preparing());
     let mut expected = populate_hashable(&s);
@@ -1696,16 +1696,35 @@ fn a_prepared_copy_out_gives_back_the_places_of_zero_chunks_and_incremental_ones
     assert_eq!(s.driver.registered_ranges(), 0);
     s.fast.thaw().unwrap();
 
-    let (va, data) = &mut expected[2];
-    data[3 * CHUNK + 5] ^= 0xff;
-    s.driver.copy_from_host(*va, data).unwrap();
-    let err = s.fast.prepare(&delta, Some(&full)).unwrap_err();
-    assert!(err.to_string().contains("incremental"), "{err}");
-    assert!(!s.fast.is_prepared());
+    // One chunk changes before the Prepare: only it and the odd-sized allocation (which
+    // gh1 cannot hash) get places.
+    let change = |expected: &mut Vec<(u64, Vec<u8>)>, byte: usize| {
+        let (va, data) = &mut expected[2];
+        data[byte] ^= 0xff;
+        s.driver.copy_from_host(*va, data).unwrap();
+    };
+    change(&mut expected, 3 * CHUNK + 5);
+    let prepared = s.fast.prepare(&delta, Some(&full)).unwrap();
+    assert_eq!(prepared.bytes, (CHUNK + 4096) as u64, "{prepared:?}");
+    // Another changes after it: no place, so it is staged.
+    change(&mut expected, CHUNK + 7);
     s.fast.freeze().unwrap();
     let before = s.driver.host_stats();
     let out = s.fast.copy_out(&delta, Some(&full)).unwrap();
     let moved = s.driver.host_stats().bytes_to_host - before.bytes_to_host;
-    assert_eq!(moved, CHUNK as u64 + 4095, "{out:?}");
+    assert_eq!(moved, 2 * CHUNK as u64 + 4095, "{out:?}");
+    assert!(
+        out.peak_staging_bytes > 0,
+        "the late change staged: {out:?}"
+    );
+    assert!(out.parent_chunks > 0);
+    assert_eq!(s.driver.registered_ranges(), 0);
     round_trip(&s, &delta, &expected);
+
+    // Nothing changed since: only the allocation gh1 cannot hash gets a place.
+    let again = root.path().join("again");
+    let p = s.fast.prepare(&again, Some(&delta)).unwrap();
+    assert_eq!(p.bytes, 4096, "{p:?}");
+    s.fast.drop_prepared();
+    assert_eq!(s.driver.registered_ranges(), 0);
 }

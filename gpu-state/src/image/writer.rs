@@ -167,6 +167,9 @@ struct AllocState {
     direct_at: Vec<u64>,
 }
 
+/// `direct_at` of a chunk left no place (see `start_direct_without`).
+const NO_PLACE: u64 = u64::MAX;
+
 struct Direct {
     map: Arc<DirectMap>,
     /// Its index in the manifest's files (after the workers' files).
@@ -399,7 +402,10 @@ impl ImageWriter {
         self.allocations[alloc.0].submitted[index] = true;
         // Not submitted before: a place laid out for it is its own (none when its
         // allocation was begun after the file was made).
-        let place = self.allocations[alloc.0].direct_at.get(index);
+        let place = self.allocations[alloc.0]
+            .direct_at
+            .get(index)
+            .filter(|&&at| at != NO_PLACE);
         if let (Some(direct), Some(&at)) = (&mut self.direct, place) {
             direct
                 .unused
@@ -464,14 +470,28 @@ impl ImageWriter {
     /// the file) and [`commit_direct`](Self::commit_direct) (the workers check, hash and
     /// punch out what is not stored). Staged chunks may still be mixed in.
     pub fn start_direct(&mut self) -> Result<DirectRegion, ImageError> {
+        self.start_direct_without(|_, _| false)
+    }
+
+    /// [`start_direct`](Self::start_direct), leaving no place to the chunks `skip` names
+    /// (allocation, chunk index): e.g. those a GPU hash taken before the freeze says the
+    /// parent holds. Such a chunk is resolved without a copy, or goes through
+    /// [`stage`](Self::stage) ([`has_direct_place`](Self::has_direct_place) tells).
+    pub fn start_direct_without(
+        &mut self,
+        skip: impl Fn(AllocId, usize) -> bool,
+    ) -> Result<DirectRegion, ImageError> {
         if let Some(why) = self.direct_refusal() {
             return Err(ImageError::Usage(format!("no direct data file: {why}")));
         }
         let chunk_size = self.opts.chunk_size as u64;
         let mut total = 0u64;
-        for state in &mut self.allocations {
+        for (a, state) in self.allocations.iter_mut().enumerate() {
             state.direct_at = (0..state.submitted.len())
                 .map(|i| {
+                    if skip(AllocId(a), i) {
+                        return NO_PLACE;
+                    }
                     let at = total;
                     if !state.submitted[i] {
                         let len = chunk_size.min(state.size - i as u64 * chunk_size);
@@ -530,7 +550,32 @@ impl ImageWriter {
             .direct_at
             .get(index)
             .ok_or_else(|| ImageError::Usage("allocation begun after start_direct".into()))?;
+        if at == NO_PLACE {
+            return Err(ImageError::Usage(
+                "a chunk left no place in the direct data file".into(),
+            ));
+        }
         Ok((at, len))
+    }
+
+    /// Whether the chunk at `offset` of `alloc` has a place in the direct data file.
+    pub fn has_direct_place(&self, alloc: AllocId, offset: u64) -> bool {
+        self.direct.is_some()
+            && self.slot(alloc, offset).is_ok_and(|(index, _)| {
+                self.allocations[alloc.0]
+                    .direct_at
+                    .get(index)
+                    .is_some_and(|&at| at != NO_PLACE)
+            })
+    }
+
+    /// Whether [`resolve`](Self::resolve) would record a chunk of `len` bytes with
+    /// `digest` without a copy (zero, or stored by the parent chain). Changes nothing.
+    pub fn would_resolve(&self, digest: ChunkDigest, len: u64) -> bool {
+        match digest {
+            ChunkDigest::Zero => true,
+            ChunkDigest::Hash(h) => self.parent_gpu.get(&h).is_some_and(|p| p.len == len),
+        }
     }
 
     /// Gives back the pages of the direct data file from `from` (a chunk's place) on:
