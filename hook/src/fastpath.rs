@@ -159,9 +159,6 @@ const DEFAULT_STAGING_MIB: usize = 512;
 const DEFAULT_STREAMS: usize = 4;
 /// 2 GiB registered at a time: bounded pinning, few register calls per image.
 const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
-/// At most 512 MiB per window of a prepared data file: windows are unregistered while
-/// the copy-out runs (see `EarlyUnpin`), the last one after it.
-const PREPARED_WINDOW: usize = 512 << 20;
 /// Free device memory a snapshot leaves the workload (for the seconds of the write).
 const DEFAULT_SNAPSHOT_HEADROOM_MIB: usize = 1024;
 
@@ -405,57 +402,10 @@ impl Pending {
         }
     }
 
-    /// Hands the chunk to the writer; a direct one's place ends at the address returned.
-    fn commit(mut self, writer: &mut ImageWriter) -> Result<Option<usize>, ImageError> {
-        let (ptr, len) = self.target();
+    fn commit(self, writer: &mut ImageWriter) -> Result<(), ImageError> {
         match self {
-            Pending::Staged(c) => writer.commit(c).map(|()| None),
-            Pending::Direct(c) => writer.commit_direct(c).map(|()| Some(ptr as usize + len)),
-        }
-    }
-}
-
-/// Unregisters a prepared data file's windows while the copy-out runs, each as soon as
-/// the copies into it are done (they complete in place order), on a helper thread:
-/// unpinning takes about as long as the DMA itself (16 GiB: 0.28 s on the H200, the
-/// driver's unregisters do not run in parallel), so overlapping them halves the freeze's
-/// copy-out; what is left is the last window's.
-struct EarlyUnpin {
-    /// Window ends, by address.
-    ends: Vec<usize>,
-    next: usize,
-    tx: Option<mpsc::Sender<usize>>,
-}
-
-impl EarlyUnpin {
-    fn start<'s, 'd, D: VmmDriver>(
-        scope: &'s std::thread::Scope<'s, 'd>,
-        registered: &'d Registered<D>,
-    ) -> Self {
-        let (tx, rx) = mpsc::channel::<usize>();
-        scope.spawn(move || {
-            for k in rx {
-                registered.unregister_one(k);
-            }
-        });
-        EarlyUnpin {
-            ends: registered.spans().iter().map(|(a, n)| a + n).collect(),
-            next: 0,
-            tx: Some(tx),
-        }
-    }
-
-    /// Every copy into the file below `end` is done (and none will come).
-    fn done_below(&mut self, end: Option<usize>) {
-        let (Some(end), Some(tx)) = (end, &self.tx) else {
-            return;
-        };
-        while self.next < self.ends.len() && self.ends[self.next] <= end {
-            if tx.send(self.next).is_err() {
-                self.tx = None;
-                return;
-            }
-            self.next += 1;
+            Pending::Staged(c) => writer.commit(c),
+            Pending::Direct(c) => writer.commit_direct(c),
         }
     }
 }
@@ -724,7 +674,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         writer: &mut ImageWriter,
         todo: &[ChunkTodo],
         region: Option<DirectRegion>,
-        registered: Option<&'d Registered<D>>,
+        registered: Option<&Registered<D>>,
     ) -> Result<(u64, usize, CopyProfile), FastPathError> {
         let mut plan = None;
         if let Some(region) = region.filter(|_| registered.is_none()) {
@@ -748,22 +698,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             self.driver(),
             self.opts.streams.min(self.opts.image.max_in_flight),
         );
-        // Declared after `flight`: dropped first, so the helper ends (and is joined with
-        // the scope) while the copies are waited for; a window is only sent once the
-        // copies up to its end are done.
-        let mut unpin = registered.map(|r| EarlyUnpin::start(scope, r));
-        let mut committed = |end: Option<usize>| {
-            if let Some(u) = unpin.as_mut() {
-                u.done_below(end);
-            }
-        };
         let mut bytes = 0;
         for (n, c) in todo.iter().enumerate() {
             let (id, offset) = (&c.id, c.offset);
             // Only stage when a buffer can be had without waiting on our own copies.
             if flight.is_full() {
                 if let Some(done) = flight.complete_oldest()? {
-                    committed(done.commit(writer)?);
+                    done.commit(writer)?;
                 }
             }
             let mut pending = None;
@@ -779,7 +720,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 if win.current() != Some(k) {
                     // No copy may still target the window that goes.
                     while let Some(done) = flight.complete_oldest()? {
-                        committed(done.commit(writer)?);
+                        done.commit(writer)?;
                     }
                     if let Err(e) = win.enter(k) {
                         tracing::warn!(error = %e, "cannot register the direct data file; the rest goes through staging");
@@ -812,12 +753,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 }
             })?;
             if let Some(done) = done {
-                committed(done.commit(writer)?);
+                done.commit(writer)?;
             }
             bytes += c.len;
         }
         while let Some(done) = flight.complete_oldest()? {
-            committed(done.commit(writer)?);
+            done.commit(writer)?;
         }
         profile.dma_wait = flight.waited.as_secs_f64();
         drop(flight);
@@ -1040,7 +981,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             self.allocator.driver(),
             region.base,
             region.len,
-            self.opts.direct_window.min(PREPARED_WINDOW),
+            self.opts.direct_window,
         )?;
         let report = PrepareReport {
             bytes: region.len as u64,
