@@ -14,6 +14,8 @@
 #   s         gpucr with the hook (GPUCR_E2E_HOOK=1): the shim's Checkpoint over ttrpc with no
 #             Pause (shim-ckpt), so the hook snapshots on the GPU and the task runs on while the
 #             image is written; s-restore: kill, `ctr c restore --live` of that directory
+#   x         as s with exit: the task is not paused, so the shim prepares the hook's copy-out
+#             (data file registered while it runs); x-restore as s-restore
 #   c         gpucr: `ctr c checkpoint --task --rw`, kill, rm, `ctr c restore --live --rw`
 #   d         gpucr with a PyTorch workload (host's python and torch bind-mounted read-only)
 #   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
@@ -758,7 +760,8 @@ scenario_b() {
 # takes its leave-running snapshot path: the device memory is copied on the GPU, the task runs on
 # while the image is written. Then NAME-restore: kill, `ctr c restore --live` of that directory.
 scenario_s() {
-  local id=$1 name=$2 t0 pid before figs="" ok=1 out off dir spec ref v
+  local id=$1 name=$2 mode=${3:-} t0 pid before figs="" ok=1 out off dir spec ref v exitflag=()
+  [ "$mode" = exit ] && exitflag=(--exit)
   t0=$(now_ms)
   pid=$(task_pid "$id")
   out=$(hash_now "$id") && figs+="before=[$out] "
@@ -772,32 +775,48 @@ scenario_s() {
   rm -rf "$dir"
   off=$(log_lines)
   if ! timeout -k 5 "$(bigt)" "$BIN/shim-ckpt" checkpoint "$DATA/state/io.containerd.runtime.v2.task/$NS/$id/address" \
-    "$NS" "$id" "$dir" >"$LOGS/$id-$name.txt" 2>&1; then
+    "$NS" "$id" "$dir" "${exitflag[@]}" >"$LOGS/$id-$name.txt" 2>&1; then
     result "$name" FAIL "$(secs_since "$t0")" "shim Checkpoint failed: $(head -c 300 "$LOGS/$id-$name.txt" | tr '\n' ' ') $(criu_err "$id")"
     return 1
   fi
   tail -n +"$((off + 1))" "$CTD_LOG" >"$LOGS/$id-$name-ckpt-ctd.log"
   figs+="$(tr '\n' ' ' <"$LOGS/$id-$name.txt")$($HELPER shimlog "$LOGS/$id-$name-ckpt-ctd.log" "$id") "
   figs+="image_mib=$(du -sm "$dir" | cut -f1) "
-  if [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ]; then
-    grep -q "snapshot written while the process runs" "$LOGS/$id-$name-ckpt-ctd.log" \
-      || { ok=0; figs+="NO_SNAPSHOT "; }
-  fi
-  wait_step "$pid" $((before + 3)) 60 || ok=0
-  out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
-  v=$(verify "$id" "$name") || ok=0
-  if [ "$ok" = 1 ]; then
-    result "$name" PASS "$(secs_since "$t0")" "$v still_running_after_step=$before $figs"
+  if [ "$mode" = exit ]; then
+    # CRIU killed the task; its rootfs stays mounted in the bundle until the task is deleted.
+    [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ] && { grep -q "copy-out prepared while the process runs" \
+      "$LOGS/$id-$name-ckpt-ctd.log" || { ok=0; figs+="NOT_PREPARED "; }; }
+    local i st=""
+    for i in $(seq 50); do st=$(task_status "$id"); [ "$st" = STOPPED ] && break; sleep 0.2; done
+    [ "$st" = STOPPED ] || { ok=0; figs+="status=$st "; }
+    cp "$DATA/state/io.containerd.runtime.v2.task/$NS/$id/rootfs/tmp/steps" "$LOGS/$id-$name-at-kill.steps" || ok=0
+    if [ "$ok" = 1 ]; then
+      result "$name" PASS "$(secs_since "$t0")" "exited at the checkpoint after step $before $figs"
+    else
+      result "$name" FAIL "$(secs_since "$t0")" "$figs"
+      return 1
+    fi
   else
-    result "$name" FAIL "$(secs_since "$t0")" "$v $figs"
-    return 1
+    if [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ]; then
+      grep -q "snapshot written while the process runs" "$LOGS/$id-$name-ckpt-ctd.log" \
+        || { ok=0; figs+="NO_SNAPSHOT "; }
+    fi
+    wait_step "$pid" $((before + 3)) 60 || ok=0
+    out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
+    v=$(verify "$id" "$name") || ok=0
+    if [ "$ok" = 1 ]; then
+      result "$name" PASS "$(secs_since "$t0")" "$v still_running_after_step=$before $figs"
+    else
+      result "$name" FAIL "$(secs_since "$t0")" "$v $figs"
+      return 1
+    fi
+    # No rw layer travels: the restored process writes a fresh /tmp/steps, checked after these.
+    cp "$(steps_file "$pid")" "$LOGS/$id-$name-at-kill.steps"
   fi
 
   t0=$(now_ms)
   figs=""
   ref=docker.io/gpucr-e2e/shim-ckpt-$id:1
-  # No rw layer travels: the restored process writes a fresh /tmp/steps, checked after these.
-  cp "$(steps_file "$pid")" "$LOGS/$id-$name-at-kill.steps"
   kill_rm "$id"
   if ! { "$BIN/shim-ckpt" layout "$dir" "$WL_IMAGE" "$GPUCR_RT" "$spec" "$ref" \
     | CTR_T=$(bigt) cc image import --no-unpack -; } >"$LOGS/$id-$name-import.txt" 2>&1; then
@@ -860,7 +879,7 @@ ctr run --help 2>&1 | grep -qE -- '--device' || die "this ctr has no 'run --devi
 
 if [ "$DRY" = 1 ]; then
   build_images
-  EXPECTED="smoke-runc.v2 smoke-gpucr.v2 b b-restore s-cpu s-cpu-restore c-cpu-gpucr c-cpu-runc"
+  EXPECTED="smoke-runc.v2 smoke-gpucr.v2 b b-restore s-cpu s-cpu-restore x-cpu x-cpu-restore c-cpu-gpucr c-cpu-runc"
   log "smoke: busybox through both runtimes"
   for rt in "$RUNC_RT" "$GPUCR_RT"; do
     t0=$(now_ms)
@@ -876,7 +895,10 @@ if [ "$DRY" = 1 ]; then
     scenario_b cpudc || true
     [ "$(task_status cpudc)" = RUNNING ] || { kill_rm cpudc; start_workload cpudc "$GPUCR_RT" || true; }
     scenario_s cpudc s-cpu || true
-    # The restored container's /tmp/steps starts at its restore: c needs a fresh one.
+    # The restored container's /tmp/steps starts at its restore: the next needs a fresh one.
+    kill_rm cpudc
+    start_workload cpudc "$GPUCR_RT" || true
+    scenario_s cpudc x-cpu exit || true
     kill_rm cpudc
     start_workload cpudc "$GPUCR_RT" || true
     cr_cycle cpudc gpucr c-cpu-gpucr || true
@@ -893,7 +915,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore s s-restore c cdi e d t gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi e d t gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -938,6 +960,17 @@ else
   result s FAIL 0 "the CUDA container did not start (see logs/snap.stdio)"
 fi
 kill_rm snap
+# x + x-restore: the same with exit (the shim prepares the hook's copy-out while it runs).
+if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
+  SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all x x-restore
+elif ! want x x-restore; then
+  skip_all x x-restore
+elif start_workload xit "$GPUCR_RT"; then
+  scenario_s xit x exit || true
+else
+  result x FAIL 0 "the CUDA container did not start (see logs/xit.stdio)"
+fi
+kill_rm xit
 
 # cdi (issues 5 and 6): the GPU comes from a CDI spec (nvidia.com/gpu=0: device nodes, the
 # driver directory, the GPU's UUID in NVIDIA_VISIBLE_DEVICES), not from ctr flags. Between
