@@ -44,16 +44,20 @@ impl StubEngine {
         (report, fds)
     }
 
+    /// Records the image paths a verb was given.
+    fn took(&self, dir: &Path, parent: Option<&Path>) {
+        let mut paths = self.paths.lock().unwrap();
+        paths.push(dir.to_path_buf());
+        paths.extend(parent.map(Path::to_path_buf));
+    }
+
     fn copy_out_as(
         &self,
         verb: Verb,
         dir: &Path,
         parent: Option<&Path>,
     ) -> Result<CopyOutReport, StubError> {
-        let mut paths = self.paths.lock().unwrap();
-        paths.push(dir.to_path_buf());
-        paths.extend(parent.map(Path::to_path_buf));
-        drop(paths);
+        self.took(dir, parent);
         self.step(verb).map(|()| CopyOutReport {
             allocations: 1,
             bytes: 10,
@@ -151,10 +155,7 @@ impl Engine for StubEngine {
         self.step(Verb::Thaw)
     }
     fn prepare(&self, dir: &Path, parent: Option<&Path>) -> Result<PrepareReport, StubError> {
-        let mut paths = self.paths.lock().unwrap();
-        paths.push(dir.to_path_buf());
-        paths.extend(parent.map(Path::to_path_buf));
-        drop(paths);
+        self.took(dir, parent);
         *self.prepared.lock().unwrap() = false;
         self.step(Verb::Prepare)?;
         *self.prepared.lock().unwrap() = true;
@@ -568,14 +569,20 @@ fn misused_fds_are_refused_and_closed() {
     assert_eq!(*c.engine().calls.lock().unwrap(), vec![Verb::Freeze]);
 }
 
-#[test]
-fn a_parent_by_fd_is_resolved_against_the_second_fd() {
-    let (_sock, path, controller) = serve_stub();
-    let mut client = ControlClient::connect(&path).unwrap();
+/// A directory for images holding a parent image `prev`; the directory and `prev` opened.
+fn images_with_parent() -> (tempfile::TempDir, File, File) {
     let images = tempfile::tempdir().unwrap();
     std::fs::create_dir(images.path().join("prev")).unwrap();
     let dir = File::open(images.path()).unwrap();
     let parent = File::open(images.path().join("prev")).unwrap();
+    (images, dir, parent)
+}
+
+#[test]
+fn a_parent_by_fd_is_resolved_against_the_second_fd() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    let (images, dir, parent) = images_with_parent();
     ok(client.call(&Request::Freeze).unwrap());
     ok(client
         .copy_out_fd(&dir, Path::new("next"), Some(&parent))
@@ -596,10 +603,7 @@ fn a_parent_by_fd_is_resolved_against_the_second_fd() {
 fn a_prepare_holds_its_fds_until_the_copy_out_or_a_thaw() {
     let (_sock, path, controller) = serve_stub();
     let mut client = ControlClient::connect(&path).unwrap();
-    let images = tempfile::tempdir().unwrap();
-    std::fs::create_dir(images.path().join("prev")).unwrap();
-    let dir = File::open(images.path()).unwrap();
-    let parent = File::open(images.path().join("prev")).unwrap();
+    let (_images, dir, parent) = images_with_parent();
     let held = || controller.lock().unwrap().held_fds();
     ok(client
         .prepare_fd(&dir, Path::new("next"), Some(&parent))

@@ -961,12 +961,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             FastPathError::NotPrepared(format!("cannot identify the image's directory: {e}"))
         })?;
         let allocs = self.mapped()?;
-        let mut writer =
-            ImageWriter::create_with_pin(image_dir, parent, self.opts.image, self.pin())?;
-        let ids = allocs
-            .iter()
-            .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
-            .collect::<Result<Vec<_>, _>>()?;
+        let (mut writer, ids) = self.new_writer(image_dir, parent, &allocs)?;
         if let Some(why) = writer.direct_refusal() {
             return Err(FastPathError::NotPrepared(why.to_string()));
         }
@@ -1000,6 +995,22 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             since,
         });
         Ok(report)
+    }
+
+    /// A writer for a new image at `image_dir` with `allocs` begun, in order.
+    fn new_writer(
+        &self,
+        image_dir: &Path,
+        parent: Option<&Path>,
+        allocs: &[Allocation],
+    ) -> Result<(ImageWriter, Vec<AllocId>), FastPathError> {
+        let mut writer =
+            ImageWriter::create_with_pin(image_dir, parent, self.opts.image, self.pin())?;
+        let ids = allocs
+            .iter()
+            .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((writer, ids))
     }
 
     /// Whether a prepared CopyOut is held.
@@ -1124,11 +1135,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 (p.writer, p.ids, Some(p.registered), Some(region))
             }
             None => {
-                let mut writer = ImageWriter::create_with_pin(image_dir, parent, opts, self.pin())?;
-                let ids = sources
-                    .iter()
-                    .map(|(a, _)| writer.begin_allocation(a.va, a.size, self.tags()))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let allocs: Vec<_> = sources.iter().map(|(a, _)| a.clone()).collect();
+                let (writer, ids) = self.new_writer(image_dir, parent, &allocs)?;
                 (writer, ids, None, None)
             }
         };

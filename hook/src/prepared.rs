@@ -34,13 +34,11 @@ impl Target {
         let name = image_dir
             .file_name()
             .ok_or_else(|| std::io::Error::other("an image directory without a name"))?;
-        let dir = image_dir.parent().unwrap_or(Path::new("."));
         // `/proc/self/fd/<n>/name` has the parent `/proc/self/fd/<n>`: stat follows it.
-        let dir = if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        };
+        let dir = image_dir
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
         Ok(Target {
             dir: id(dir)?,
             name: name.to_owned(),

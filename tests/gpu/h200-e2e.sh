@@ -949,28 +949,23 @@ else
 fi
 kill_rm gpucr
 
-# s + s-restore: gpucr with the hook, a checkpoint no client pauses (the snapshot path).
-if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
-  SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all s s-restore
-elif ! want s s-restore; then
-  skip_all s s-restore
-elif start_workload snap "$GPUCR_RT"; then
-  scenario_s snap s || true
-else
-  result s FAIL 0 "the CUDA container did not start (see logs/snap.stdio)"
-fi
-kill_rm snap
+# s + s-restore: gpucr with the hook, a checkpoint no client pauses (the snapshot path);
 # x + x-restore: the same with exit (the shim prepares the hook's copy-out while it runs).
-if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
-  SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all x x-restore
-elif ! want x x-restore; then
-  skip_all x x-restore
-elif start_workload xit "$GPUCR_RT"; then
-  scenario_s xit x exit || true
-else
-  result x FAIL 0 "the CUDA container did not start (see logs/xit.stdio)"
-fi
-kill_rm xit
+# unpaused ID NAME [exit]: one of them in a container of its own.
+unpaused() {
+  if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
+    SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all "$2" "$2-restore"
+  elif ! want "$2" "$2-restore"; then
+    skip_all "$2" "$2-restore"
+  elif start_workload "$1" "$GPUCR_RT"; then
+    scenario_s "$@" || true
+  else
+    result "$2" FAIL 0 "the CUDA container did not start (see logs/$1.stdio)"
+  fi
+  kill_rm "$1"
+}
+unpaused snap s
+unpaused xit x exit
 
 # cdi (issues 5 and 6): the GPU comes from a CDI spec (nvidia.com/gpu=0: device nodes, the
 # driver directory, the GPU's UUID in NVIDIA_VISIBLE_DEVICES), not from ctr flags. Between
