@@ -58,6 +58,8 @@ pub trait Engine: Send {
     fn prepare(&self, dir: &Path, parent: Option<&Path>) -> Result<PrepareReport, Self::Error>;
     /// Whether a prepared CopyOut is held (its directory fds must stay open).
     fn prepared(&self) -> bool;
+    /// Drops a prepared CopyOut, if any.
+    fn drop_prepared(&self);
 }
 
 /// Control errors.
@@ -115,6 +117,8 @@ pub struct Controller<E> {
     /// The fds of the last Prepare, held while the engine holds what it prepared (its
     /// unfinished image lives under these fds' paths).
     prepared: Vec<OwnedFd>,
+    /// Counts successful Prepares: which one the engine holds.
+    prepare_token: u64,
 }
 
 impl<E: Engine> Controller<E> {
@@ -124,6 +128,7 @@ impl<E: Engine> Controller<E> {
             engine,
             held: Vec::new(),
             prepared: Vec::new(),
+            prepare_token: 0,
         }
     }
 
@@ -189,7 +194,10 @@ impl<E: Engine> Controller<E> {
                 self.state = next;
                 match req.verb() {
                     Verb::CopyOut => self.held = path_fds,
-                    Verb::Prepare => self.prepared = path_fds,
+                    Verb::Prepare => {
+                        self.prepared = path_fds;
+                        self.prepare_token += 1;
+                    }
                     _ => {}
                 }
                 out = fds;
@@ -208,6 +216,22 @@ impl<E: Engine> Controller<E> {
             self.prepared.clear();
         }
         (reply, out)
+    }
+
+    /// Which successful Prepare was the last (see [`Controller::abandon_prepare`]).
+    pub fn prepare_token(&self) -> u64 {
+        self.prepare_token
+    }
+
+    /// Drops what Prepare `token` readied if it is still held: its connection closed
+    /// before the CopyOut (a shim that went away must not leave a mapping of a host file
+    /// and pinned memory for the next dump to meet).
+    pub fn abandon_prepare(&mut self, token: u64) {
+        if token == self.prepare_token && self.engine.prepared() {
+            tracing::info!("the connection that prepared a copy-out closed; dropping it");
+            self.engine.drop_prepared();
+            self.prepared.clear();
+        }
     }
 
     /// How many fds the controller holds (those of the last CopyOut, while CopiedOut,
@@ -393,8 +417,24 @@ impl ControlServer {
     }
 }
 
-/// Handles one connection's requests until it closes or sends an unreadable frame.
-fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Controller<E>>) {
+/// Handles one connection's requests until it closes or sends an unreadable frame; then
+/// drops a Prepare it made that no CopyOut used.
+fn serve_connection<E: Engine>(stream: UnixStream, controller: &Mutex<Controller<E>>) {
+    let mut prepared = None;
+    serve_requests(stream, controller, &mut prepared);
+    if let Some(token) = prepared {
+        controller
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .abandon_prepare(token);
+    }
+}
+
+fn serve_requests<E: Engine>(
+    mut stream: UnixStream,
+    controller: &Mutex<Controller<E>>,
+    prepared: &mut Option<u64>,
+) {
     loop {
         let (reply, out) = match recv_frame(&stream, MAX_FRAME) {
             Ok((bytes, mut fds)) => match parse_request(&bytes) {
@@ -410,10 +450,13 @@ fn serve_connection<E: Engine>(mut stream: UnixStream, controller: &Mutex<Contro
                             }
                         }
                     }
-                    controller
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .exchange(&req, fds)
+                    let mut c = controller.lock().unwrap_or_else(|p| p.into_inner());
+                    let before = c.prepare_token();
+                    let exchanged = c.exchange(&req, fds);
+                    if c.prepare_token() != before {
+                        *prepared = Some(c.prepare_token());
+                    }
+                    exchanged
                 }
                 Err(e) => (Reply::Error(e), Vec::new()),
             },

@@ -164,6 +164,9 @@ impl Engine for StubEngine {
     fn prepared(&self) -> bool {
         *self.prepared.lock().unwrap()
     }
+    fn drop_prepared(&self) {
+        *self.prepared.lock().unwrap() = false;
+    }
     fn status(&self, state: CheckpointState) -> HookStatus {
         HookStatus {
             pid: 1,
@@ -640,6 +643,31 @@ fn a_prepare_holds_its_fds_until_the_copy_out_or_a_thaw() {
     };
     assert_eq!(e.kind, ErrorKind::IllegalInState);
     assert_eq!(held(), 0);
+}
+
+#[test]
+fn a_prepare_whose_connection_closes_is_dropped() {
+    let (_sock, path, controller) = serve_stub();
+    let (_images, dir, _) = images_with_parent();
+    let mut first = ControlClient::connect(&path).unwrap();
+    ok(first.prepare_fd(&dir, Path::new("a"), None).unwrap());
+    // A later Prepare on another connection replaces it: closing the first keeps it.
+    let mut second = ControlClient::connect(&path).unwrap();
+    ok(second.prepare_fd(&dir, Path::new("b"), None).unwrap());
+    drop(first);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(controller.lock().unwrap().held_fds(), 1);
+    assert!(controller.lock().unwrap().engine().prepared());
+    drop(second);
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let c = controller.lock().unwrap();
+        !c.engine().prepared() && c.held_fds() == 0
+    });
+    assert!(
+        gone,
+        "the prepared copy-out of a closed connection is dropped"
+    );
 }
 
 /// The whole fast path over the socket with images passed as fds, as the shim does.

@@ -1976,6 +1976,9 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     fn prepared(&self) -> bool {
         self.is_prepared()
     }
+    fn drop_prepared(&self) {
+        FastPath::drop_prepared(self)
+    }
     fn status(&self, state: CheckpointState) -> HookStatus {
         let table = self.allocator.table();
         HookStatus {

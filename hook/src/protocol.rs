@@ -35,7 +35,8 @@
 //! tmpfs, mapped and registered for DMA, so the frozen CopyOut moves device memory
 //! straight into it at the link's speed. Its fds are held until the CopyOut into the same
 //! image (same directory, name and parent) uses it; any other verb but Freeze and Status
-//! (or a CopyOut elsewhere, or changed allocations) drops it. Refused, changing nothing,
+//! (or a CopyOut elsewhere, or changed allocations) drops it, and so does the close of the
+//! connection that sent it. Refused, changing nothing,
 //! where the image cannot take direct copies (not tmpfs, compression, pinning off).
 
 use std::io::{self, Read, Write};
