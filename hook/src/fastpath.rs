@@ -795,7 +795,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             }
         };
         let mut todo = Vec::new();
-        let Some(digests) = self.device_digests(sources)? else {
+        let regions: Vec<_> = sources.iter().map(|(a, src)| (*src, a.size)).collect();
+        let Some(digests) = self.device_digests(&regions)? else {
             for (source, id) in sources.iter().zip(ids) {
                 all(&mut todo, source, *id);
             }
@@ -823,21 +824,21 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         Ok((todo, true))
     }
 
-    /// Every chunk's gh1 digest, hashed on the GPU: per source its digests in order, or
-    /// `None` for a source gh1 cannot hash (its size); `None` for all when the device
-    /// hash is off or failed (logged).
+    /// Every chunk's gh1 digest, hashed on the GPU, of each of `sources` (device address
+    /// and size): per source its digests in order, or `None` for a source gh1 cannot hash
+    /// (its size); `None` for all when the device hash is off or failed (logged).
     fn device_digests(
         &self,
-        sources: &[(Allocation, DevicePtr)],
+        sources: &[(DevicePtr, u64)],
     ) -> Result<Option<Vec<Option<Vec<ChunkDigest>>>>, FastPathError> {
         let chunk = self.opts.image.chunk_size as u64;
         // gh1 hashes whole words: an allocation of another size (a plain cuMemAlloc can
         // ask for any) is hashed on the CPU.
-        let hashable = |a: &Allocation| gpuhash::hashable(a.size) && gpuhash::hashable(chunk);
+        let hashable = |size: u64| gpuhash::hashable(size) && gpuhash::hashable(chunk);
         let regions: Vec<_> = sources
             .iter()
-            .filter(|(a, _)| hashable(a))
-            .map(|(a, src)| (*src, a.size))
+            .copied()
+            .filter(|&(_, size)| hashable(size))
             .collect();
         if !self.opts.device_hash || regions.is_empty() {
             return Ok(None);
@@ -859,19 +860,19 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         let mut sums = sums.into_iter();
         let mut out = Vec::with_capacity(sources.len());
-        for (a, _) in sources {
-            if !hashable(a) {
+        for &(_, size) in sources {
+            if !hashable(size) {
                 out.push(None);
                 continue;
             }
             let sums = sums.next().ok_or_else(malformed)?;
-            if sums.len() as u64 != a.size.div_ceil(chunk) {
+            if sums.len() as u64 != size.div_ceil(chunk) {
                 return Err(malformed());
             }
             let digests = sums
                 .into_iter()
                 .enumerate()
-                .map(|(i, s)| s.digest(chunk.min(a.size - i as u64 * chunk)))
+                .map(|(i, s)| s.digest(chunk.min(size - i as u64 * chunk)))
                 .collect();
             out.push(Some(digests));
         }
@@ -998,16 +999,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     }
 
     /// A writer for a new image at `image_dir` with `allocs` begun, in order.
-    fn new_writer(
+    fn new_writer<'a>(
         &self,
         image_dir: &Path,
         parent: Option<&Path>,
-        allocs: &[Allocation],
+        allocs: impl IntoIterator<Item = &'a Allocation>,
     ) -> Result<(ImageWriter, Vec<AllocId>), FastPathError> {
         let mut writer =
             ImageWriter::create_with_pin(image_dir, parent, self.opts.image, self.pin())?;
         let ids = allocs
-            .iter()
+            .into_iter()
             .map(|a| writer.begin_allocation(a.va, a.size, self.tags()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok((writer, ids))
@@ -1050,8 +1051,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         allocs: &[Allocation],
         ids: &[AllocId],
     ) -> Result<HashSet<(AllocId, usize)>, FastPathError> {
-        let sources: Vec<_> = allocs.iter().map(|a| (a.clone(), a.va)).collect();
-        let Some(digests) = self.device_digests(&sources)? else {
+        let regions: Vec<_> = allocs.iter().map(|a| (a.va, a.size)).collect();
+        let Some(digests) = self.device_digests(&regions)? else {
             return Err(FastPathError::NotPrepared(
                 "an incremental copy-out needs the GPU hash to know what changed".into(),
             ));
@@ -1135,8 +1136,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 (p.writer, p.ids, Some(p.registered), Some(region))
             }
             None => {
-                let allocs: Vec<_> = sources.iter().map(|(a, _)| a.clone()).collect();
-                let (writer, ids) = self.new_writer(image_dir, parent, &allocs)?;
+                let (writer, ids) =
+                    self.new_writer(image_dir, parent, sources.iter().map(|(a, _)| a))?;
                 (writer, ids, None, None)
             }
         };

@@ -386,8 +386,8 @@ impl ImageWriter {
         };
         match digest {
             ChunkDigest::Zero => self.resolved_zero += 1,
-            ChunkDigest::Hash(h) => match self.parent_gpu.get(&h) {
-                Some(p) if p.len == len as u64 => {
+            ChunkDigest::Hash(h) => match self.parent_chunk(&h, len as u64) {
+                Some(p) => {
                     done.crc32c = Some(p.crc32c);
                     done.gpu_hash = Some(h);
                     done.placed = Placed::Final(Location::Parent { image: p.image });
@@ -574,8 +574,13 @@ impl ImageWriter {
     pub fn would_resolve(&self, digest: ChunkDigest, len: u64) -> bool {
         match digest {
             ChunkDigest::Zero => true,
-            ChunkDigest::Hash(h) => self.parent_gpu.get(&h).is_some_and(|p| p.len == len),
+            ChunkDigest::Hash(h) => self.parent_chunk(&h, len).is_some(),
         }
+    }
+
+    /// The parent chain's chunk with gh1 digest `h`, if it has `len` bytes.
+    fn parent_chunk(&self, h: &GpuHash, len: u64) -> Option<&ParentChunk> {
+        self.parent_gpu.get(h).filter(|p| p.len == len)
     }
 
     /// Gives back the pages of the direct data file from `from` (a chunk's place) on:
