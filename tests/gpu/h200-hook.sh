@@ -8,7 +8,9 @@
 # 1. ceilings: pinned/pageable cudaMemcpy (pinned_ceiling.cu), the disk's O_DIRECT write
 #    and read speed (dd) and tmpfs's (tmpfs_ceiling.c: 16 threads, first and second touch),
 #    measured in this run. GPUCR_HOOK_PROBES="keeper": keeper_probe.cu (device memory held
-#    by another process across the driver's cycle). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
+#    by another process across the driver's cycle); "register": register_probe.cu (how fast a
+#    tmpfs file is pinned for DMA, direct vs staged vs both feeding the copy-in;
+#    GPUCR_HOOK_PROBE_WIN_MIB windows). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
 #    of tmpfs before the benchmarks (a fresh VM's first touch of its memory is slower; a
 #    long-running node's memory is warm). GPUCR_HOOK_OVERHEAD=0 skips step 0;
 #    GPUCR_HOOK_OVERHEAD_ROUNDS (3) interleaved rounds; GPUCR_HOOK_OVERHEAD_VARIANT="VAR=V"
@@ -92,6 +94,12 @@ for probe in ${GPUCR_HOOK_PROBES:-}; do
       for mode in fdonly import; do
         log "keeper probe $mode 16 GiB"
         timeout 120 "$TOOLS/keeper_probe" "$mode" 16 2>&1 | tee -a "$SUM"
+      done ;;
+    register)
+      nvcc -O2 -o "$TOOLS/register_probe" "$REPO/tests/gpu/register_probe.cu" -lcuda || continue
+      for w in ${GPUCR_HOOK_PROBE_WIN_MIB:-512}; do
+        log "register probe 16 GiB, windows of $w MiB"
+        timeout 240 "$TOOLS/register_probe" "$TMPFS" 16 "$w" 2>&1 | tee -a "$SUM"
       done ;;
   esac
 done
