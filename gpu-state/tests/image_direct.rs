@@ -319,3 +319,63 @@ fn the_direct_file_is_allocated_up_front_and_trimmed_on_request() {
     assert!(back[..CHUNK].iter().all(|&b| b == 3));
     assert!(back[3 * CHUNK..].iter().all(|&b| b == 3));
 }
+
+/// Reads through mapped data files (what the hook's staged copy-in does on tmpfs) give
+/// what `read(2)` gives, raw and compressed, across a parent chain, and still check
+/// every chunk's CRC.
+#[test]
+fn mapped_reads_match_plain_reads_and_check_crcs() {
+    let Some(root) = tmpfs_dir() else { return };
+    let allocs = data();
+    let parent = root.path().join("parent");
+    // Compressed parent, raw child: both decoders read from the mapping.
+    write_image(&parent, None, small_opts(), &allocs);
+    let mut changed = data();
+    changed[0].data[..CHUNK].fill(0x5a);
+    let child = root.path().join("child");
+    write_image(&child, Some(&parent), opts(), &changed);
+
+    let plain = ImageReader::open(&child).unwrap();
+    let mut mapped = ImageReader::open(&child).unwrap();
+    assert!(mapped.map_data_files().unwrap());
+    assert!(mapped.map_data_files().unwrap(), "mapping twice is harmless");
+    for a in &changed {
+        let want = read_back(&plain, a.va, None).unwrap();
+        assert_eq!(want, a.data);
+        assert_eq!(read_back(&mapped, a.va, None).unwrap(), want, "{:#x}", a.va);
+    }
+
+    // A flipped byte (written in place, as damage would be) is caught through the map.
+    let file = std::fs::read_dir(&child)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .unwrap();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        let mut byte = [0u8];
+        std::fs::File::open(&file)
+            .unwrap()
+            .read_exact_at(&mut byte, 3)
+            .unwrap();
+        f.write_all_at(&[byte[0] ^ 1], 3).unwrap();
+    }
+    let mut damaged = ImageReader::open(&child).unwrap();
+    assert!(damaged.map_data_files().unwrap());
+    let err = changed
+        .iter()
+        .find_map(|a| read_back(&damaged, a.va, None).err())
+        .expect("the damage is found");
+    assert!(err.to_string().contains("CRC32C mismatch"), "{err}");
+
+    // Off tmpfs nothing is mapped (reads keep readahead).
+    let disk = tempfile::tempdir().unwrap();
+    if !is_tmpfs(disk.path()) {
+        let dir = disk.path().join("img");
+        write_image(&dir, None, opts(), &allocs);
+        let mut reader = ImageReader::open(&dir).unwrap();
+        assert!(!reader.map_data_files().unwrap());
+        assert_eq!(read_back(&reader, allocs[0].va, None).unwrap(), allocs[0].data);
+    }
+}

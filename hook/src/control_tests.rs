@@ -148,6 +148,7 @@ impl Engine for StubEngine {
             staging_bytes: 0,
             seconds: 0.0,
             profile: Default::default(),
+            mapped_reads: false,
         })
     }
     fn thaw(&self) -> Result<(), StubError> {

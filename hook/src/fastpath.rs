@@ -110,6 +110,9 @@ pub struct FastPathOptions {
     pub copy_in_staging: usize,
     /// Threads reading (decompressing, checking) chunks during copy-in.
     pub read_threads: usize,
+    /// The staged copy-in reads an image on tmpfs through a read-only mapping of its
+    /// data files (`memcpy` out of the page cache) instead of `read(2)`.
+    pub map_reads: bool,
     /// Pin the staging pools for DMA (`cuMemHostRegister`); off, copies go through
     /// pageable memory (for comparison).
     pub pin: bool,
@@ -147,6 +150,7 @@ pub const ENV_PIN: &str = "GPUCR_HOOK_PIN";
 pub const ENV_DIRECT: &str = "GPUCR_HOOK_DIRECT";
 pub const ENV_DIRECT_WINDOW_MIB: &str = "GPUCR_HOOK_DIRECT_WINDOW_MIB";
 pub const ENV_PREPARE: &str = "GPUCR_HOOK_PREPARE";
+pub const ENV_MAP_READS: &str = "GPUCR_HOOK_MAP_READS";
 pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
 pub const ENV_KEEP: &str = "GPUCR_HOOK_KEEP";
 pub const ENV_SNAPSHOT: &str = "GPUCR_HOOK_SNAPSHOT";
@@ -235,6 +239,7 @@ impl FastPathOptions {
         let direct = flag(ENV_DIRECT, false)?;
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         let prepare = flag(ENV_PREPARE, true)?;
+        let map_reads = flag(ENV_MAP_READS, true)?;
         let device_hash = flag(ENV_DEVICE_HASH, true)?;
         let keep = flag(ENV_KEEP, true)?;
         let snapshot = flag(ENV_SNAPSHOT, true)?;
@@ -259,6 +264,7 @@ impl FastPathOptions {
             streams,
             copy_in_staging: staging,
             read_threads: threads,
+            map_reads,
             pin,
             direct,
             direct_window,
@@ -1542,6 +1548,11 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let allocs = self.movable()?;
         let mut reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
+        let mapped_reads = self.opts.map_reads
+            && reader.map_data_files().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "cannot map the image; copy-in reads it with read(2)");
+                false
+            });
         // Chunks hashed on the GPU at copy-out are checked there after the copy (one
         // kernel pass), not by the CPU reading every byte on the way in.
         let device_check = self.opts.device_hash
@@ -1569,6 +1580,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             staging_bytes,
             seconds: start.elapsed().as_secs_f64(),
             profile,
+            mapped_reads,
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)

@@ -32,6 +32,7 @@ fn opts() -> FastPathOptions {
         streams: 2,
         copy_in_staging: 2 * CHUNK,
         read_threads: 2,
+        map_reads: true,
         pin: true,
         direct: false,
         direct_window: 1 << 30,
@@ -1727,4 +1728,50 @@ fn a_prepared_incremental_copy_out_lays_out_only_what_changed() {
     assert_eq!(p.bytes, 4096, "{p:?}");
     s.fast.drop_prepared();
     assert_eq!(s.driver.registered_ranges(), 0);
+}
+
+/// The staged copy-in reads an image on tmpfs through its mapped data files (exact,
+/// CRC-checked); with `map_reads` off, or off tmpfs, through `read(2)`.
+#[test]
+fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
+    let Some(root) = tmpfs_dir() else { return };
+    let disk = tempfile::tempdir().unwrap();
+    for (dir, map_reads, want) in [
+        (root.path(), true, true),
+        (root.path(), false, false),
+        (disk.path(), true, gpu_state::image::is_tmpfs(disk.path())),
+    ] {
+        let s = setup_with(FastPathOptions {
+            map_reads,
+            ..pipelined()
+        });
+        let expected = populate_with_duplicates(&s);
+        s.fast.freeze().unwrap();
+        let image = dir.join(format!("img-{map_reads}"));
+        s.fast.copy_out(&image, None).unwrap();
+        s.fast.release(false).unwrap();
+        s.fast.remap().unwrap();
+        let report = s.fast.copy_in(&image).unwrap();
+        assert_eq!(report.mapped_reads, want, "{dir:?} map_reads={map_reads}");
+        s.fast.thaw().unwrap();
+        check_memory(&s.driver, &s.allocator, &expected);
+
+        // A damaged chunk is refused through the mapping too.
+        let data = std::fs::read_dir(&image)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.to_string_lossy().ends_with(".bin"))
+            .unwrap();
+        let mut bytes = std::fs::read(&data).unwrap();
+        bytes[7] ^= 0x10;
+        std::fs::write(&data, bytes).unwrap();
+        s.fast.freeze().unwrap();
+        s.fast.release(false).unwrap();
+        s.fast.remap().unwrap();
+        let err = s.fast.copy_in(&image).unwrap_err();
+        assert!(
+            matches!(err, FastPathError::Image(ImageError::CorruptChunk { .. })),
+            "{dir:?}: {err}"
+        );
+    }
 }

@@ -303,6 +303,9 @@ pub struct CopyInReport {
     pub seconds: f64,
     #[serde(default)]
     pub profile: CopyProfile,
+    /// The image's data files were read through a mapping (tmpfs), not `read(2)`.
+    #[serde(default)]
+    pub mapped_reads: bool,
 }
 
 /// The hook's state, for the shim and tools.

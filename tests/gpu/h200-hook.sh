@@ -22,7 +22,8 @@
 #    first image. Sizes: GPUCR_HOOK_SIZES (default "4+0 1+15": changing GiB + static GiB,
 #    each optionally :PHASES, e.g. "1+63:driver,fast,incr")
 #    GPUCR_HOOK_SWEEP: hook settings side by side at GPUCR_HOOK_SWEEP_SIZE (phases
-#    GPUCR_HOOK_SWEEP_PHASES, default fast)
+#    GPUCR_HOOK_SWEEP_PHASES, default fast; GPUCR_SWEEP_SHM=1 in a setting puts its images
+#    on /dev/shm, 4 KiB pages)
 # 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
 #    injects the hook and checkpoints/restores through it; hashes checked against references
 # Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
@@ -139,13 +140,17 @@ for entry in ${GPUCR_HOOK_SWEEP:-}; do
   st=${sweep_size#*+}
   ref=$TMPFS/ref-$g.txt
   [ -s "$ref" ] || timeout 200 "$TOOLS/workload" "$g" 1500 0 "$ref" >/dev/null 2>&1
-  log "sweep $label ($vars) at $sweep_size"
+  # GPUCR_SWEEP_SHM=1 in a setting: its images go to /dev/shm (4 KiB pages) instead.
+  images=$TMPFS
+  case ",$vars," in *,GPUCR_SWEEP_SHM=1,*) images=/dev/shm/gpucr-hook-shm; mkdir -p "$images" ;; esac
+  log "sweep $label ($vars) at $sweep_size, images in $images"
   # shellcheck disable=SC2046 # one VAR=V word per setting
   env $(echo "$vars" | tr ',' ' ') timeout 300 python3 "$REPO/tests/gpu/hook_bench.py" \
     --workload "$TOOLS/workload" --drive "$TOOLS/drive" --hook "$TOOLS/libgpucr_hook.so" \
-    --gib "$g" --static-gib "$st" --ref "$ref" --tmpfs "$TMPFS" --disk "$DISK" --out "$RES" \
+    --gib "$g" --static-gib "$st" --ref "$ref" --tmpfs "$images" --disk "$DISK" --out "$RES" \
     --label "$sweep_size-$label" --phases "${GPUCR_HOOK_SWEEP_PHASES:-fast}"
   echo "sweep $label ($vars): hook_bench exit $?" | tee -a "$SUM"
+  [ "$images" = "$TMPFS" ] || rm -rf "$images"
 done
 grep -h '"phase"' "$RES" >>"$SUM" 2>/dev/null
 

@@ -245,7 +245,6 @@ def main():
         args.append(a.static_gib)
     errlog = open(os.path.join(work, "workload.stderr"), "w")
     proc = subprocess.Popen(args, env=env, stdout=errlog, stderr=errlog)
-    results = {"label": label, "gib": float(a.gib), "static_gib": float(a.static_gib)}
     out = open(a.out, "a")
 
     def record(phase, **kv):
@@ -386,6 +385,7 @@ def main():
                    thaw_ms=round(c["th"], 1), pause_ms=round(c["total"], 1),
                    image_mib=du(img1) >> 20, peak_rss_growth_mib=peak >> 20,
                    out_profile=rep.get("profile"), in_profile=cin.get("profile"),
+                   mapped_reads=cin.get("mapped_reads"),
                    copied_mib=rep.get("copied_bytes", 0) >> 20,
                    zero_chunks=rep.get("zero_chunks"), parent_chunks=rep.get("parent_chunks"))
             gh1_check(img1, record)
@@ -406,7 +406,8 @@ def main():
                    remap_ms=round(c["rm"], 1), copy_in_ms=round(c["ci"], 1),
                    copy_in_gbps=round(cin.get("bytes", 0) / c["ci"] / 1e6, 2),
                    pause_ms=round(c["total"], 1),
-                   out_profile=rep.get("profile"), in_profile=cin.get("profile"))
+                   out_profile=rep.get("profile"), in_profile=cin.get("profile"),
+                   mapped_reads=cin.get("mapped_reads"))
             shutil.rmtree(img4, ignore_errors=True)
 
         if "keep" in phases:
@@ -496,7 +497,8 @@ def main():
                    copy_in_gbps=round(cin.get("bytes", 0) / ci / 1e6, 2),
                    image_mib=du(imgs["p"]) >> 20, peak_staging_mib=rep.get("peak_staging_bytes", 0) >> 20,
                    out_profile=rep.get("profile"), staged_profile=rep_s.get("profile"),
-                   in_profile=cin.get("profile"), steps_during_prepare=steps_prep)
+                   in_profile=cin.get("profile"),
+                   mapped_reads=cin.get("mapped_reads"), steps_during_prepare=steps_prep)
             gh1_check(imgs["p"], record)
             # Incremental against it: prepared (places only for what the GPU hash finds
             # changed at the Prepare) and staged, side by side.

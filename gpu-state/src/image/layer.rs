@@ -7,6 +7,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use super::atomic::{image_state, ImageState};
+use super::direct::ReadMap;
 use super::error::ImageError;
 use super::manifest::{
     ChunkKey, ContentHash, ImageId, Location, Manifest, MANIFEST_FILE, MANIFEST_SUM_FILE,
@@ -30,6 +31,10 @@ pub(crate) struct Layer {
     pub files: Vec<File>,
     /// Chunks stored in this layer's own data files, by dedup key.
     pub by_hash: HashMap<ChunkKey, StoredAt>,
+    /// The data files mapped read-only (one per file, `None`: empty), once
+    /// [`ImageReader::map_data_files`](super::ImageReader::map_data_files) asked; empty
+    /// before.
+    pub maps: Vec<Option<ReadMap>>,
 }
 
 impl Layer {
@@ -80,7 +85,13 @@ impl Layer {
             manifest_hash,
             files,
             by_hash,
+            maps: Vec::new(),
         })
+    }
+
+    /// Data file `file`'s mapping, when mapped.
+    pub fn mapped(&self, file: usize) -> Option<&ReadMap> {
+        self.maps.get(file)?.as_ref()
     }
 }
 
