@@ -110,9 +110,9 @@ pub struct FastPathOptions {
     pub copy_in_staging: usize,
     /// Threads reading (decompressing, checking) chunks during copy-in.
     pub read_threads: usize,
-    /// The staged copy-in reads an image on tmpfs through a read-only mapping of its
-    /// data files (`memcpy` out of the page cache) instead of `read(2)`.
-    pub map_reads: bool,
+    /// When the staged copy-in reads an image through a read-only mapping of its data
+    /// files (`memcpy` out of the page cache) instead of `read(2)`.
+    pub map_reads: MapReads,
     /// Pin the staging pools for DMA (`cuMemHostRegister`); off, copies go through
     /// pageable memory (for comparison).
     pub pin: bool,
@@ -138,6 +138,18 @@ pub struct FastPathOptions {
     /// Bytes of device memory a snapshot must leave free (the workload may allocate
     /// while it is written); with less room, Snapshot is refused.
     pub snapshot_headroom: u64,
+}
+
+/// When the staged copy-in maps an image's data files instead of reading them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapReads {
+    /// Always `read(2)` (`GPUCR_HOOK_MAP_READS=0`).
+    Off,
+    /// Images on a tmpfs that keeps them in huge pages (`huge`, the default): faster
+    /// than `read(2)` there, slower on 4 KiB pages (docs/BENCHMARKS.md).
+    HugePages,
+    /// Any image on tmpfs (`tmpfs`).
+    Tmpfs,
 }
 
 /// Hook copy settings from the environment (see [`FastPathOptions::from_env_with`]).
@@ -187,7 +199,8 @@ impl FastPathOptions {
     /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
     /// memory is plain, never exported, and a leave-running checkpoint copies it back),
     /// `GPUCR_HOOK_SNAPSHOT` (`1`; `0`: the memory is written while frozen),
-    /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024).
+    /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024), `GPUCR_HOOK_MAP_READS` (`huge`; `tmpfs`,
+    /// `0`: see [`MapReads`]).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -239,7 +252,18 @@ impl FastPathOptions {
         let direct = flag(ENV_DIRECT, false)?;
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         let prepare = flag(ENV_PREPARE, true)?;
-        let map_reads = flag(ENV_MAP_READS, true)?;
+        let map_reads = match get(ENV_MAP_READS).as_deref().map(str::trim) {
+            None | Some("huge" | "1") => MapReads::HugePages,
+            Some("0") => MapReads::Off,
+            Some("tmpfs") => MapReads::Tmpfs,
+            Some(v) => {
+                return Err(OptionsError {
+                    var: ENV_MAP_READS,
+                    value: v.to_string(),
+                    reason: "expected 0, huge (or 1) or tmpfs",
+                })
+            }
+        };
         let device_hash = flag(ENV_DEVICE_HASH, true)?;
         let keep = flag(ENV_KEEP, true)?;
         let snapshot = flag(ENV_SNAPSHOT, true)?;
@@ -1513,7 +1537,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .filter_map(|a| self.allocator.get(a.va))
             .collect();
         let plan = self.match_image(&reader, &now, false)?;
-        self.fill(&reader, &now, &plan)?;
+        self.fill(&reader, &now, &plan, Instant::now())?;
         Ok(())
     }
 
@@ -1548,11 +1572,13 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let allocs = self.movable()?;
         let mut reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
-        let mapped_reads = self.opts.map_reads
-            && reader.map_data_files().unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "cannot map the image; copy-in reads it with read(2)");
-                false
-            });
+        let mapped_reads = self.opts.map_reads != MapReads::Off
+            && reader
+                .map_data_files(self.opts.map_reads == MapReads::HugePages)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot map the image; copy-in reads it with read(2)");
+                    false
+                });
         // Chunks hashed on the GPU at copy-out are checked there after the copy (one
         // kernel pass), not by the CPU reading every byte on the way in.
         let device_check = self.opts.device_hash
@@ -1567,7 +1593,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         }
         let (bytes, staging_bytes, mut profile) = match self.fill_direct(&reader, &allocs, &plan)? {
             Some(done) => done,
-            None => self.fill(&reader, &allocs, &plan)?,
+            None => self.fill(&reader, &allocs, &plan, start)?,
         };
         if device_check {
             let t = Instant::now();
@@ -1813,12 +1839,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// Copies each allocation's image data in: reader threads fill a pinned staging
     /// pool (read, decompress, CRC) while filled buffers go to the device on up to
     /// `streams` copy streams. Returns the bytes copied, the pool's size and where the
-    /// copying thread waited (`buffer_wait`: for the readers).
+    /// copying thread waited (`buffer_wait`: for the readers); `setup` is the time from
+    /// `start` to the first read.
     fn fill(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
         plan: &[AllocId],
+        start: Instant,
     ) -> Result<(u64, u64, CopyProfile), FastPathError> {
         let chunk = reader.manifest().chunk_size as usize;
         let (work, targets) = Self::chunk_work(reader, allocs, plan);
@@ -1831,6 +1859,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         // The sink keeps at most `count - 1` buffers, so the readers always have one.
         let mut flight = InFlight::new(self.driver(), self.opts.streams.min(count - 1));
         let t = Instant::now();
+        let setup = start.elapsed().as_secs_f64();
         let read = reader.read_chunks_staged(
             &work,
             &pool,
@@ -1860,6 +1889,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let profile = CopyProfile {
             dma_wait: flight.waited.as_secs_f64(),
             buffer_wait: (reading - dma_while_reading).max(0.0),
+            setup,
             ..CopyProfile::default()
         };
         drop(flight);

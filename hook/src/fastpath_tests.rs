@@ -32,7 +32,7 @@ fn opts() -> FastPathOptions {
         streams: 2,
         copy_in_staging: 2 * CHUNK,
         read_threads: 2,
-        map_reads: true,
+        map_reads: MapReads::Tmpfs,
         pin: true,
         direct: false,
         direct_window: 1 << 30,
@@ -621,6 +621,18 @@ fn options_come_from_the_environment() {
     assert_eq!((o.image.threads, o.read_threads, o.streams), (12, 12, 8));
     assert!(!o.pin);
     assert!(!d.direct && d.direct_window == 2048 << 20);
+    assert_eq!(d.map_reads, MapReads::HugePages);
+    for (v, want) in [
+        ("0", MapReads::Off),
+        ("huge", MapReads::HugePages),
+        ("1", MapReads::HugePages),
+        ("tmpfs", MapReads::Tmpfs),
+    ] {
+        let pairs: &'static [(&'static str, &'static str)] =
+            Box::leak(Box::new([(ENV_MAP_READS, v)]));
+        let o = FastPathOptions::from_env_with(env(pairs)).unwrap();
+        assert_eq!(o.map_reads, want, "{v}");
+    }
     let on =
         FastPathOptions::from_env_with(env(&[(ENV_DIRECT, "1"), (ENV_DIRECT_WINDOW_MIB, "512")]))
             .unwrap();
@@ -636,6 +648,7 @@ fn options_come_from_the_environment() {
         (ENV_PIN, "yes"),
         (ENV_DIRECT, "on"),
         (ENV_DIRECT_WINDOW_MIB, "0"),
+        (ENV_MAP_READS, "yes"),
     ] {
         let pairs: &'static [(&'static str, &'static str)] = Box::leak(Box::new([(var, bad)]));
         let err = FastPathOptions::from_env_with(env(pairs)).unwrap_err();
@@ -1736,10 +1749,20 @@ fn a_prepared_incremental_copy_out_lays_out_only_what_changed() {
 fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
     let Some(root) = tmpfs_dir() else { return };
     let disk = tempfile::tempdir().unwrap();
+    // /dev/shm keeps 4 KiB pages unless mounted `huge=` (st_blksize says which).
+    let probe = root.path().join("probe");
+    std::fs::write(&probe, b"x").unwrap();
+    let huge =
+        std::os::unix::fs::MetadataExt::blksize(&std::fs::metadata(&probe).unwrap()) >= 2 << 20;
     for (dir, map_reads, want) in [
-        (root.path(), true, true),
-        (root.path(), false, false),
-        (disk.path(), true, gpu_state::image::is_tmpfs(disk.path())),
+        (root.path(), MapReads::Tmpfs, true),
+        (root.path(), MapReads::HugePages, huge),
+        (root.path(), MapReads::Off, false),
+        (
+            disk.path(),
+            MapReads::Tmpfs,
+            gpu_state::image::is_tmpfs(disk.path()),
+        ),
     ] {
         let s = setup_with(FastPathOptions {
             map_reads,
@@ -1747,12 +1770,12 @@ fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
         });
         let expected = populate_with_duplicates(&s);
         s.fast.freeze().unwrap();
-        let image = dir.join(format!("img-{map_reads}"));
+        let image = dir.join(format!("img-{map_reads:?}"));
         s.fast.copy_out(&image, None).unwrap();
         s.fast.release(false).unwrap();
         s.fast.remap().unwrap();
         let report = s.fast.copy_in(&image).unwrap();
-        assert_eq!(report.mapped_reads, want, "{dir:?} map_reads={map_reads}");
+        assert_eq!(report.mapped_reads, want, "{dir:?} {map_reads:?}");
         s.fast.thaw().unwrap();
         check_memory(&s.driver, &s.allocator, &expected);
 

@@ -274,7 +274,8 @@ pub struct CopyProfile {
     pub device_hash: f64,
     /// Copy-out: making the image writer (its workers' files, the parent chain) and, in
     /// direct mode, the direct data file with all its pages (done by Prepare when
-    /// prepared).
+    /// prepared). Copy-in: opening and checking the image, mapping its data files and
+    /// making the staging pool, before the first read.
     pub setup: f64,
     /// Copy-out after a Prepare: unregistering the data file's windows.
     #[serde(default)]

@@ -155,9 +155,9 @@ impl DirectMap {
     }
 }
 
-/// Faults in (allocates) every page of the shared mapping `[ptr, ptr + len)` with
+/// Faults in (allocates) every page of the mapping `[ptr, ptr + len)` with
 /// `MADV_POPULATE_WRITE`, split over up to 16 threads.
-fn populate_parallel(ptr: *mut u8, len: usize) -> io::Result<()> {
+pub(crate) fn populate_parallel(ptr: *mut u8, len: usize) -> io::Result<()> {
     /// `MADV_POPULATE_WRITE` (Linux 5.14).
     const MADV_POPULATE_WRITE: libc::c_int = 23;
     const MIN_PIECE: usize = 64 << 20;
@@ -214,7 +214,9 @@ unsafe impl Send for ReadMap {}
 unsafe impl Sync for ReadMap {}
 
 impl ReadMap {
-    pub(crate) fn new(file: &File, len: usize) -> io::Result<ReadMap> {
+    /// Maps `len` bytes of `file`; `populate`: the page tables are filled now (one
+    /// call, cheap for a huge-page tmpfs) rather than by faults during the reads.
+    pub(crate) fn new(file: &File, len: usize, populate: bool) -> io::Result<ReadMap> {
         if len == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -227,7 +229,7 @@ impl ReadMap {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ,
-                libc::MAP_SHARED,
+                libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 },
                 file.as_raw_fd(),
                 0,
             )

@@ -358,16 +358,23 @@ impl ImageReader {
         None
     }
 
-    /// Maps every data file of the chain read-only, so reads copy each chunk out of the
-    /// page cache with `memcpy` (or decompress it from there) instead of `read(2)`: on
-    /// the H200's VM 12 threads moved 16 GiB from a tmpfs file into the GPU at 43–44
-    /// GB/s that way against 35 with `pread` (register_probe.cu, docs/BENCHMARKS.md).
-    /// Only when every image of the chain is on tmpfs (a disk file reads better with
-    /// readahead); returns whether the files are mapped. The image must not be truncated
-    /// while mapped (a read past a file's end would fault): finished images are never
-    /// written again, and the sizes were checked at open.
-    pub fn map_data_files(&mut self) -> Result<bool, ImageError> {
+    /// Maps every data file of the chain read-only (page tables filled up front), so
+    /// reads copy each chunk out of the page cache with `memcpy` (or decompress it from
+    /// there) instead of `read(2)`. Only when every image of the chain is on tmpfs (a
+    /// disk file reads better with readahead) and, with `huge_pages_only`, every data
+    /// file is kept in huge pages (`st_blksize` of 2 MiB: a tmpfs mounted `huge=`): on
+    /// the H200's VM that read 16 GiB into the GPU 10% faster than `pread`, while on 4 KiB
+    /// pages it was 1.6× slower (page-table work). Returns whether the files are mapped.
+    /// The image must not be truncated while mapped (a read past a file's end would
+    /// fault): finished images are never written again, and the sizes were checked at
+    /// open.
+    pub fn map_data_files(&mut self, huge_pages_only: bool) -> Result<bool, ImageError> {
+        use std::os::unix::fs::MetadataExt;
         if self.layers.iter().any(|l| !is_tmpfs(&l.dir)) {
+            return Ok(false);
+        }
+        let huge = |file: &std::fs::File| file.metadata().is_ok_and(|m| m.blksize() >= 2 << 20);
+        if huge_pages_only && !self.layers.iter().all(|l| l.files.iter().all(huge)) {
             return Ok(false);
         }
         for layer in &mut self.layers {
@@ -379,7 +386,7 @@ impl ImageReader {
                 maps.push(match data.size {
                     0 => None,
                     n => Some(
-                        ReadMap::new(file, n as usize)
+                        ReadMap::new(file, n as usize, huge_pages_only)
                             .map_err(|e| ImageError::io(layer.dir.join(&data.name), e))?,
                     ),
                 });
@@ -403,9 +410,10 @@ impl ImageReader {
                 let path = layer.dir.join(&data.name);
                 let map = match data.size {
                     0 => None,
-                    n => {
-                        Some(ReadMap::new(file, n as usize).map_err(|e| ImageError::io(&path, e))?)
-                    }
+                    n => Some(
+                        ReadMap::new(file, n as usize, false)
+                            .map_err(|e| ImageError::io(&path, e))?,
+                    ),
                 };
                 maps.push(map);
             }

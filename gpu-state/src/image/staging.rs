@@ -153,6 +153,12 @@ impl StagingPool {
             *pinned = Pinned::No;
             return;
         };
+        // The kernel zeroes each page at its first touch; on many threads that is
+        // several times quicker than the driver touching them one by one as it pins
+        // (a failure only leaves the pinning to do it).
+        if let Err(e) = super::direct::populate_parallel(self.ptr.as_ptr(), self.len) {
+            tracing::debug!(error = %e, "staging memory not populated ahead of pinning");
+        }
         *pinned = match pin.pin(self.ptr.as_ptr(), self.len) {
             Ok(()) => Pinned::Yes,
             Err(reason) => {
