@@ -604,8 +604,8 @@ fn options_come_from_the_environment() {
     };
     let d = FastPathOptions::from_env_with(env(&[])).unwrap();
     assert_eq!(d.image.compression, Compression::None);
-    assert_eq!(d.image.chunk_size, 32 << 20);
-    assert_eq!(d.image.max_in_flight, 16);
+    assert_eq!(d.image.chunk_size, 16 << 20);
+    assert_eq!(d.image.max_in_flight, 32);
     assert_eq!((d.streams, d.copy_in_staging, d.pin), (4, 512 << 20, true));
     let o = FastPathOptions::from_env_with(env(&[
         (ENV_COMPRESSION, "zstd:3"),
