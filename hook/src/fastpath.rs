@@ -143,10 +143,13 @@ pub struct FastPathOptions {
 /// When the staged copy-in maps an image's data files instead of reading them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapReads {
-    /// Always `read(2)` (`GPUCR_HOOK_MAP_READS=0`).
+    /// Always `read(2)` (`GPUCR_HOOK_MAP_READS=0`, the default): with 16 MiB chunks
+    /// the H200's copy-in waits on the DMA, not on the readers, and mapping gained
+    /// nothing there (33.5–35.3 vs 36.1 GB/s; populating the map costs ~10 ms).
     Off,
-    /// Images on a tmpfs that keeps them in huge pages (`huge`, the default): faster
-    /// than `read(2)` there, slower on 4 KiB pages (docs/BENCHMARKS.md).
+    /// Images on a tmpfs that keeps them in huge pages (`huge` or `1`): 6% faster than
+    /// `read(2)` when the readers bound the copy-in (32 MiB chunks: 16 buffers for 12
+    /// readers); on 4 KiB pages 1.6× slower, hence not there (docs/BENCHMARKS.md).
     HugePages,
     /// Any image on tmpfs (`tmpfs`).
     Tmpfs,
@@ -202,8 +205,8 @@ impl FastPathOptions {
     /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
     /// memory is plain, never exported, and a leave-running checkpoint copies it back),
     /// `GPUCR_HOOK_SNAPSHOT` (`1`; `0`: the memory is written while frozen),
-    /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024), `GPUCR_HOOK_MAP_READS` (`huge`; `tmpfs`,
-    /// `0`: see [`MapReads`]).
+    /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024), `GPUCR_HOOK_MAP_READS` (`0`; `huge`, `tmpfs`:
+    /// see [`MapReads`]).
     pub fn from_env_with(
         get: impl Fn(&str) -> Option<String>,
     ) -> Result<FastPathOptions, OptionsError> {
@@ -256,8 +259,8 @@ impl FastPathOptions {
         let direct_window = number(ENV_DIRECT_WINDOW_MIB, DEFAULT_DIRECT_WINDOW_MIB)? << 20;
         let prepare = flag(ENV_PREPARE, true)?;
         let map_reads = match get(ENV_MAP_READS).as_deref().map(str::trim) {
-            None | Some("huge" | "1") => MapReads::HugePages,
-            Some("0") => MapReads::Off,
+            Some("huge" | "1") => MapReads::HugePages,
+            None | Some("0") => MapReads::Off,
             Some("tmpfs") => MapReads::Tmpfs,
             Some(v) => {
                 return Err(OptionsError {

@@ -621,7 +621,7 @@ fn options_come_from_the_environment() {
     assert_eq!((o.image.threads, o.read_threads, o.streams), (12, 12, 8));
     assert!(!o.pin);
     assert!(!d.direct && d.direct_window == 2048 << 20);
-    assert_eq!(d.map_reads, MapReads::HugePages);
+    assert_eq!(d.map_reads, MapReads::Off);
     for (v, want) in [
         ("0", MapReads::Off),
         ("huge", MapReads::HugePages),
