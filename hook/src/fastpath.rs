@@ -1861,9 +1861,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             return Ok((bytes, 0, CopyProfile::default()));
         }
         let count = (self.opts.copy_in_staging / chunk).max(2);
-        // Pinned buffer by buffer by the readers that first take them: the first copy
-        // need not wait for the whole pool.
-        let pool = StagingPool::new_per_buffer(count, chunk, self.pin())?;
+        let pool = StagingPool::new(count, chunk, self.pin())?;
         // The sink keeps at most `count - 1` buffers, so the readers always have one.
         let mut flight = InFlight::new(self.driver(), self.opts.streams.min(count - 1));
         let t = Instant::now();

@@ -6,7 +6,6 @@
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::error::ImageError;
@@ -73,14 +72,7 @@ pub struct StagingPool {
     returned: Condvar,
     pin: Option<Arc<dyn StagingPin>>,
     pinned: Mutex<Pinned>,
-    /// [`Pinned::PerBuffer`]: each buffer's [`BUF_UNTOUCHED`], [`BUF_PINNED`] or
-    /// [`BUF_FAILED`]; empty otherwise.
-    buffers: Vec<AtomicU8>,
 }
-
-const BUF_UNTOUCHED: u8 = 0;
-const BUF_PINNED: u8 = 1;
-const BUF_FAILED: u8 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pinned {
@@ -88,9 +80,6 @@ enum Pinned {
     Deferred,
     Yes,
     No,
-    /// Each buffer faulted in and pinned by the thread that first acquires it (see
-    /// [`StagingPool::new_per_buffer`]).
-    PerBuffer,
 }
 
 struct Free {
@@ -151,53 +140,7 @@ impl StagingPool {
             returned: Condvar::new(),
             pin,
             pinned,
-            buffers: Vec::new(),
         }))
-    }
-
-    /// Like [`new`](Self::new), but each buffer is faulted in and pinned on its own, by
-    /// the thread that first acquires it: readers that start at once prepare their
-    /// buffers in parallel and the first copy need not wait for the whole pool (on the
-    /// H200 making and pinning a 512 MiB pool took 26–135 ms before a copy-in's first
-    /// read). A buffer whose pinning fails stays pageable (copies still work, slower).
-    /// Needs page-sized buffers; otherwise the whole pool is pinned now, as `new` does.
-    pub fn new_per_buffer(
-        count: usize,
-        buf_size: usize,
-        pin: Option<Arc<dyn StagingPin>>,
-    ) -> Result<Arc<StagingPool>, ImageError> {
-        if pin.is_none() || !buf_size.is_multiple_of(PAGE) {
-            return Self::new(count, buf_size, pin);
-        }
-        let mut pool = Self::new_deferred(count, buf_size, pin)?;
-        let inner = Arc::get_mut(&mut pool).expect("a new pool has one owner");
-        *inner.pinned.get_mut().unwrap_or_else(|p| p.into_inner()) = Pinned::PerBuffer;
-        inner.buffers = (0..count).map(|_| AtomicU8::new(BUF_UNTOUCHED)).collect();
-        Ok(pool)
-    }
-
-    /// [`Pinned::PerBuffer`]: faults in and pins buffer `index` at its first use. The
-    /// caller holds the buffer exclusively.
-    fn pin_buffer(&self, index: usize) {
-        let (Some(state), Some(pin)) = (self.buffers.get(index), &self.pin) else {
-            return;
-        };
-        if state.load(Ordering::Acquire) != BUF_UNTOUCHED {
-            return;
-        }
-        // SAFETY: inside the region (index < count).
-        let ptr = unsafe { self.ptr.as_ptr().add(index * self.buf_size) };
-        if let Err(e) = super::direct::populate_parallel(ptr, self.buf_size) {
-            tracing::debug!(error = %e, "staging buffer not populated ahead of pinning");
-        }
-        let done = match pin.pin(ptr, self.buf_size) {
-            Ok(()) => BUF_PINNED,
-            Err(reason) => {
-                tracing::warn!(%reason, bytes = self.buf_size, "a staging buffer is not pinned; its copies go through pageable memory");
-                BUF_FAILED
-            }
-        };
-        state.store(done, Ordering::Release);
     }
 
     /// Pins the region unless that was tried already.
@@ -233,18 +176,15 @@ impl StagingPool {
     pub fn acquire(self: &Arc<Self>) -> StagingBuf {
         self.pin_now();
         let mut free = self.lock();
-        let index = loop {
+        loop {
             if let Some(index) = free.indices.pop() {
                 free.peak_in_use = free.peak_in_use.max(self.count - free.indices.len());
-                break index;
+                return StagingBuf {
+                    pool: self.clone(),
+                    index,
+                };
             }
             free = self.returned.wait(free).unwrap_or_else(|p| p.into_inner());
-        };
-        drop(free);
-        self.pin_buffer(index);
-        StagingBuf {
-            pool: self.clone(),
-            index,
         }
     }
 
@@ -268,16 +208,9 @@ impl StagingPool {
         self.lock().peak_in_use
     }
 
-    /// Whether the region is pinned for DMA (per buffer: no buffer failed to pin).
+    /// Whether the region is pinned for DMA.
     pub fn is_pinned(&self) -> bool {
-        match *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) {
-            Pinned::Yes => true,
-            Pinned::PerBuffer => self
-                .buffers
-                .iter()
-                .all(|b| b.load(Ordering::Acquire) != BUF_FAILED),
-            Pinned::Deferred | Pinned::No => false,
-        }
+        *self.pinned.lock().unwrap_or_else(|p| p.into_inner()) == Pinned::Yes
     }
 
     /// Total bytes of the region.
@@ -293,21 +226,8 @@ impl StagingPool {
 
 impl Drop for StagingPool {
     fn drop(&mut self) {
-        let mode = *self.pinned.get_mut().unwrap_or_else(|p| p.into_inner());
-        match (mode, &self.pin) {
-            (Pinned::Yes, Some(pin)) => pin.unpin(self.ptr.as_ptr(), self.len),
-            (Pinned::PerBuffer, Some(pin)) => {
-                for (i, state) in self.buffers.iter().enumerate() {
-                    if state.load(Ordering::Acquire) == BUF_PINNED {
-                        // SAFETY: inside the region; no buffer outlives the pool.
-                        pin.unpin(
-                            unsafe { self.ptr.as_ptr().add(i * self.buf_size) },
-                            self.buf_size,
-                        );
-                    }
-                }
-            }
-            _ => {}
+        if let (true, Some(pin)) = (self.is_pinned(), &self.pin) {
+            pin.unpin(self.ptr.as_ptr(), self.len);
         }
         // SAFETY: mapped by `map_huge` with this length; no buffer outlives the pool.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
@@ -464,70 +384,5 @@ mod tests {
         let pool = StagingPool::new(2, 10, Some(Arc::new(No))).unwrap();
         assert!(!pool.is_pinned());
         assert!(StagingPool::new(0, 10, None).is_err());
-    }
-
-    /// Pins buffer by buffer, each at its first acquire; a failed one stays pageable.
-    #[derive(Default)]
-    struct RangePin {
-        ranges: Mutex<Vec<(usize, usize)>>,
-        unpinned: Mutex<Vec<(usize, usize)>>,
-        fail_second: bool,
-    }
-    impl StagingPin for RangePin {
-        fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
-            let mut r = self.ranges.lock().unwrap();
-            r.push((ptr as usize, len));
-            if self.fail_second && r.len() == 2 {
-                return Err("no".into());
-            }
-            Ok(())
-        }
-        fn unpin(&self, ptr: *mut u8, len: usize) {
-            self.unpinned.lock().unwrap().push((ptr as usize, len));
-        }
-    }
-
-    #[test]
-    fn a_per_buffer_pool_pins_each_buffer_once_at_its_first_use() {
-        let pin = Arc::new(RangePin::default());
-        let pool = StagingPool::new_per_buffer(3, 2 * PAGE, Some(pin.clone())).unwrap();
-        assert!(pin.ranges.lock().unwrap().is_empty(), "nothing before use");
-        let mut a = pool.acquire();
-        a.fill(7);
-        let base = a.as_mut_ptr() as usize;
-        drop(a);
-        // The same buffer again (last in, first out): not pinned twice.
-        let a = pool.acquire();
-        let b = pool.acquire();
-        assert!(pool.is_pinned());
-        let ranges = pin.ranges.lock().unwrap().clone();
-        assert_eq!(ranges.len(), 2, "{ranges:?}");
-        assert!(ranges.contains(&(base, 2 * PAGE)));
-        assert!(ranges.iter().all(|&(_, len)| len == 2 * PAGE));
-        drop((a, b, pool));
-        let mut unpinned = pin.unpinned.lock().unwrap().clone();
-        unpinned.sort();
-        let mut pinned = ranges;
-        pinned.sort();
-        assert_eq!(unpinned, pinned, "exactly the pinned buffers, once each");
-
-        // A buffer that cannot be pinned is used pageable and never unpinned.
-        let failing = Arc::new(RangePin {
-            fail_second: true,
-            ..RangePin::default()
-        });
-        let pool = StagingPool::new_per_buffer(2, PAGE, Some(failing.clone())).unwrap();
-        let (mut a, mut b) = (pool.acquire(), pool.acquire());
-        a.fill(1);
-        b.fill(2);
-        assert!(!pool.is_pinned());
-        drop((a, b, pool));
-        assert_eq!(failing.unpinned.lock().unwrap().len(), 1);
-
-        // Buffers that are not whole pages: the whole pool is pinned up front.
-        let whole = Arc::new(CountPin::default());
-        let pool = StagingPool::new_per_buffer(2, 1000, Some(whole.clone())).unwrap();
-        assert!(pool.is_pinned());
-        assert_eq!(whole.pins.load(Ordering::SeqCst), 1);
     }
 }
