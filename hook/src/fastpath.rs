@@ -174,8 +174,9 @@ pub const ENV_SNAPSHOT_HEADROOM_MIB: &str = "GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB";
 /// Hook defaults: 16 MiB chunks (few calls per GB, and 32 buffers in each 512 MiB
 /// staging pool: with 16 of 32 MiB the 12 readers and 4 copies in flight held every
 /// buffer and waited on each other — on the H200 16 GiB went in at 41 GB/s with 16 MiB
-/// against 35 with 32 MiB in one run, and out 1.05–1.3× faster), no compression (model weights
-/// barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging each way.
+/// against 35 with 32 MiB in one run, and out 1.05–1.3× faster), no compression (model
+/// weights barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging
+/// each way.
 const DEFAULT_CHUNK_MIB: usize = 16;
 const DEFAULT_STAGING_MIB: usize = 512;
 const DEFAULT_STREAMS: usize = 4;
