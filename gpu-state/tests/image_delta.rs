@@ -2,7 +2,7 @@
 
 mod image_util;
 
-use gpu_state::image::{ImageError, ImageReader, ImageWriter};
+use gpu_state::image::{ImageError, ImageOptions, ImageReader, ImageWriter};
 use image_util::{alloc, read_back, rewrite_manifest, small_opts, write_image, Alloc, Rng};
 
 const CHUNK: usize = 64 << 10;
@@ -130,4 +130,40 @@ fn writing_against_a_missing_or_incomplete_parent_fails() {
         .unwrap();
     assert!(matches!(err, ImageError::Incomplete { .. }), "{err}");
     assert!(!root.path().join("x").exists());
+}
+
+/// An incremental image takes its parent's chunk size (chunks of another size never
+/// match), with the staging pool's bytes kept.
+#[test]
+fn an_incremental_image_takes_its_parents_chunk_size() {
+    let root = tempfile::tempdir().unwrap();
+    let (base, next) = (root.path().join("1"), root.path().join("2"));
+    let allocs = weights();
+    write_image(&base, None, small_opts(), &allocs);
+    let half = ImageOptions {
+        chunk_size: CHUNK / 2,
+        max_in_flight: 8,
+        ..small_opts()
+    };
+    let writer = ImageWriter::create(&next, Some(&base), half).unwrap();
+    assert_eq!(writer.chunk_size(), CHUNK);
+    assert_eq!(writer.options().max_in_flight, 4, "the same pool bytes");
+    drop(writer);
+    let _ = std::fs::remove_dir_all(&next);
+    write_image(&next, Some(&base), half, &allocs);
+    let reader = ImageReader::open(&next).unwrap();
+    assert_eq!(reader.manifest().chunk_size, CHUNK as u64);
+    let summary = reader.verify(2).unwrap();
+    assert_eq!(
+        summary.stored_bytes, 0,
+        "everything from the parent: {summary}"
+    );
+    assert_reads(&reader, &allocs);
+    // Without a parent the given size holds.
+    let own = root.path().join("3");
+    write_image(&own, None, half, &allocs);
+    assert_eq!(
+        ImageReader::open(&own).unwrap().manifest().chunk_size,
+        (CHUNK / 2) as u64
+    );
 }

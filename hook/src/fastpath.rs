@@ -733,7 +733,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         // a buffer or window can go.
         let mut flight: InFlight<D, Pending> = InFlight::new(
             self.driver(),
-            self.opts.streams.min(self.opts.image.max_in_flight),
+            self.opts.streams.min(writer.options().max_in_flight),
         );
         let mut bytes = 0;
         for (n, c) in todo.iter().enumerate() {
@@ -820,7 +820,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         sources: &[(Allocation, DevicePtr)],
         ids: &[AllocId],
     ) -> Result<(Vec<ChunkTodo>, bool), FastPathError> {
-        let chunk = self.opts.image.chunk_size as u64;
+        // The writer's: an incremental image's is its parent's.
+        let chunk = writer.chunk_size() as u64;
         let all = |c: &mut Vec<ChunkTodo>, (a, src): &(Allocation, DevicePtr), id: AllocId| {
             for offset in (0..a.size).step_by(chunk as usize) {
                 c.push(ChunkTodo {
@@ -833,7 +834,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         let mut todo = Vec::new();
         let regions: Vec<_> = sources.iter().map(|(a, src)| (*src, a.size)).collect();
-        let Some(digests) = self.device_digests(&regions)? else {
+        let Some(digests) = self.device_digests(&regions, chunk)? else {
             for (source, id) in sources.iter().zip(ids) {
                 all(&mut todo, source, *id);
             }
@@ -867,8 +868,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     fn device_digests(
         &self,
         sources: &[(DevicePtr, u64)],
+        chunk: u64,
     ) -> Result<Option<Vec<Option<Vec<ChunkDigest>>>>, FastPathError> {
-        let chunk = self.opts.image.chunk_size as u64;
         // gh1 hashes whole words: an allocation of another size (a plain cuMemAlloc can
         // ask for any) is hashed on the CPU.
         let hashable = |size: u64| gpuhash::hashable(size) && gpuhash::hashable(chunk);
@@ -1089,12 +1090,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         ids: &[AllocId],
     ) -> Result<HashSet<(AllocId, usize)>, FastPathError> {
         let regions: Vec<_> = allocs.iter().map(|a| (a.va, a.size)).collect();
-        let Some(digests) = self.device_digests(&regions)? else {
+        let chunk = writer.chunk_size() as u64;
+        let Some(digests) = self.device_digests(&regions, chunk)? else {
             return Err(FastPathError::NotPrepared(
                 "an incremental copy-out needs the GPU hash to know what changed".into(),
             ));
         };
-        let chunk = self.opts.image.chunk_size as u64;
         let (mut skip, mut total) = (HashSet::new(), 0);
         for ((a, id), digests) in allocs.iter().zip(ids).zip(digests) {
             total += a.size.div_ceil(chunk) as usize;
@@ -1164,7 +1165,6 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         prepared: Option<Prepared<D>>,
     ) -> Result<CopyOutReport, FastPathError> {
         let start = Instant::now();
-        let opts = self.opts.image;
         // Bindings drop in reverse order: `registered` (unpinning) before `writer`
         // (unmapping the data file) on every path.
         let (mut writer, ids, registered, prepared_region) = match prepared {
@@ -1179,6 +1179,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             }
         };
         let staged_at = start.elapsed().as_secs_f64();
+        let chunk_bytes = writer.chunk_size() as u64;
         let t = Instant::now();
         let (todo, hashed) = self.resolve_chunks(&mut writer, sources, &ids)?;
         let hash_seconds = t.elapsed().as_secs_f64();
@@ -1206,7 +1207,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let report = CopyOutReport {
             allocations: sources.len(),
             bytes,
-            peak_staging_bytes: stats.peak_in_flight as u64 * opts.chunk_size as u64,
+            peak_staging_bytes: stats.peak_in_flight as u64 * chunk_bytes,
             seconds: start.elapsed().as_secs_f64(),
             profile,
             copied_bytes: copied,

@@ -1798,3 +1798,40 @@ fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
         );
     }
 }
+
+/// An incremental copy-out takes its parent's chunk size (written, say, before a change
+/// of the default), so unchanged chunks still match and only what changed crosses.
+#[test]
+fn an_incremental_copy_out_takes_the_parents_chunk_size() {
+    let s = with_device_hash(pipelined());
+    let mut expected = populate_hashable(&s);
+    let root = tempfile::tempdir().unwrap();
+    let (full, delta) = (root.path().join("full"), root.path().join("delta"));
+    let big = FastPathOptions {
+        image: gpu_state::image::ImageOptions {
+            chunk_size: 2 * CHUNK,
+            ..pipelined().image
+        },
+        ..pipelined()
+    };
+    s.fast.freeze().unwrap();
+    FastPath::new(s.allocator.clone(), s.gate.clone(), big)
+        .copy_out(&full, None)
+        .unwrap();
+    s.fast.thaw().unwrap();
+    let (va, data) = &mut expected[2];
+    data[3 * CHUNK + 5] ^= 0xff;
+    s.driver.copy_from_host(*va, data).unwrap();
+    let changed = (2 * CHUNK).min(data.len() - 2 * CHUNK) as u64;
+
+    s.fast.freeze().unwrap();
+    let before = s.driver.host_stats();
+    let out = s.fast.copy_out(&delta, Some(&full)).unwrap();
+    let moved = s.driver.host_stats().bytes_to_host - before.bytes_to_host;
+    let reader = ImageReader::open(&delta).unwrap();
+    assert_eq!(reader.manifest().chunk_size, 2 * CHUNK as u64);
+    // The changed chunk and the odd-sized allocation (CPU-hashed) cross; nothing else.
+    assert_eq!(moved, changed + 4095, "{out:?}");
+    assert!(out.parent_chunks > 0, "{out:?}");
+    round_trip(&s, &delta, &expected);
+}

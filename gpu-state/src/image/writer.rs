@@ -224,9 +224,11 @@ impl ImageWriter {
             });
         }
         remove_stale_temps(dir)?;
+        let mut opts = opts;
         let (parent_ref, parent_hashes) = match parent {
             Some(parent_dir) => {
                 let chain = ImageReader::open(parent_dir)?;
+                opts = with_chunk_size(opts, chain.manifest().chunk_size as usize)?;
                 let parent_ref = ParentRef {
                     id: chain.manifest().id,
                     manifest_blake3: chain.manifest_hash(),
@@ -655,9 +657,15 @@ impl ImageWriter {
         }
     }
 
-    /// The chunk size in use.
+    /// The chunk size in use (an incremental image's is its parent's).
     pub fn chunk_size(&self) -> usize {
         self.opts.chunk_size
+    }
+
+    /// The options in use: those given, or with a parent its chunk size and as many
+    /// staging buffers as fit the same bytes.
+    pub fn options(&self) -> ImageOptions {
+        self.opts
     }
 
     /// Waits for all chunks, writes the manifest, fsyncs and publishes the image.
@@ -931,4 +939,27 @@ fn relative(from: &Path, to: &Path) -> PathBuf {
         out.push(part);
     }
     out
+}
+
+/// `opts` with chunks of `chunk` bytes: an incremental image takes its parent's chunk
+/// size (chunks of another size never match, so every one would be stored again, e.g.
+/// against a parent written before a change of the default), keeping the staging pool's
+/// bytes (at least two buffers).
+fn with_chunk_size(opts: ImageOptions, chunk: usize) -> Result<ImageOptions, ImageError> {
+    if chunk == opts.chunk_size {
+        return Ok(opts);
+    }
+    let pool = opts.max_in_flight.saturating_mul(opts.chunk_size);
+    let adopted = ImageOptions {
+        chunk_size: chunk,
+        max_in_flight: (pool / chunk.max(1)).max(2),
+        ..opts
+    };
+    adopted.check()?;
+    tracing::info!(
+        chunk,
+        wanted = opts.chunk_size,
+        "the parent image's chunk size is used for an incremental image"
+    );
+    Ok(adopted)
 }

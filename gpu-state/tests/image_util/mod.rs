@@ -69,9 +69,11 @@ pub fn write_image(
         let id = writer
             .begin_allocation(a.va, a.data.len() as u64, a.tags.clone())
             .expect("begin");
-        for (i, chunk) in a.data.chunks(opts.chunk_size).enumerate() {
+        // The writer's chunk size: with a parent, the parent's.
+        let size = writer.chunk_size();
+        for (i, chunk) in a.data.chunks(size).enumerate() {
             writer
-                .write_chunk(id, (i * opts.chunk_size) as u64, chunk)
+                .write_chunk(id, (i * size) as u64, chunk)
                 .expect("write chunk");
         }
     }
