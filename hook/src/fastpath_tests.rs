@@ -553,11 +553,7 @@ fn failures_during_copy_in_leave_no_dma() {
     let image = root.path().join("img");
     s.fast.freeze().unwrap();
     s.fast.copy_out(&image, None).unwrap();
-    let data = std::fs::read_dir(&image)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with(".bin"))
-        .unwrap();
+    let data = first_data_file(&image);
     let mut bytes = std::fs::read(&data).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
@@ -654,6 +650,15 @@ fn options_come_from_the_environment() {
         let err = FastPathOptions::from_env_with(env(pairs)).unwrap_err();
         assert_eq!(err.var, var);
     }
+}
+
+/// The first data file (`*.bin`) of an image, e.g. to damage it.
+fn first_data_file(image: &Path) -> PathBuf {
+    std::fs::read_dir(image)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .expect("the image has a data file")
 }
 
 /// A temporary directory on tmpfs, or `None` (with a message) where there is none.
@@ -955,11 +960,7 @@ fn direct_copy_in_failures_leave_nothing_behind() {
     check_memory(&s.driver, &s.allocator, &expected);
 
     // A damaged chunk stops it before its copy.
-    let data = std::fs::read_dir(&image)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with(".bin"))
-        .unwrap();
+    let data = first_data_file(&image);
     let mut bytes = std::fs::read(&data).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
@@ -1780,11 +1781,7 @@ fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
         check_memory(&s.driver, &s.allocator, &expected);
 
         // A damaged chunk is refused through the mapping too.
-        let data = std::fs::read_dir(&image)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.to_string_lossy().ends_with(".bin"))
-            .unwrap();
+        let data = first_data_file(&image);
         let mut bytes = std::fs::read(&data).unwrap();
         bytes[7] ^= 0x10;
         std::fs::write(&data, bytes).unwrap();

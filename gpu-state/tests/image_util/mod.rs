@@ -107,3 +107,12 @@ pub fn rewrite_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 pub fn blake3_hex(bytes: &[u8]) -> String {
     gpu_state::image::ContentHash::of(bytes).to_hex()
 }
+
+/// The first data file (`*.bin`) of an image, e.g. to damage it.
+pub fn first_data_file(dir: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .expect("the image has a data file")
+}
