@@ -89,6 +89,21 @@ impl Layer {
         })
     }
 
+    /// Every data file mapped read-only, in order (`None` for an empty one); `populate`
+    /// fills the page tables now.
+    pub fn map_files(&self, populate: bool) -> Result<Vec<Option<ReadMap>>, ImageError> {
+        self.files
+            .iter()
+            .zip(&self.manifest.files)
+            .map(|(file, data)| match data.size {
+                0 => Ok(None),
+                n => ReadMap::new(file, n as usize, populate)
+                    .map(Some)
+                    .map_err(|e| ImageError::io(self.dir.join(&data.name), e)),
+            })
+            .collect()
+    }
+
     /// Data file `file`'s mapping, when mapped.
     pub fn mapped(&self, file: usize) -> Option<&ReadMap> {
         self.maps.get(file)?.as_ref()

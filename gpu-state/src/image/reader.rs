@@ -379,20 +379,9 @@ impl ImageReader {
             return Ok(false);
         }
         for layer in &mut self.layers {
-            if !layer.maps.is_empty() {
-                continue;
+            if layer.maps.is_empty() {
+                layer.maps = layer.map_files(huge_pages_only)?;
             }
-            let mut maps = Vec::with_capacity(layer.files.len());
-            for (file, data) in layer.files.iter().zip(&layer.manifest.files) {
-                maps.push(match data.size {
-                    0 => None,
-                    n => Some(
-                        ReadMap::new(file, n as usize, huge_pages_only)
-                            .map_err(|e| ImageError::io(layer.dir.join(&data.name), e))?,
-                    ),
-                });
-            }
-            layer.maps = maps;
         }
         Ok(true)
     }
@@ -407,17 +396,7 @@ impl ImageReader {
         let mut first = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             first.push(maps.len());
-            for (file, data) in layer.files.iter().zip(&layer.manifest.files) {
-                let path = layer.dir.join(&data.name);
-                let map = match data.size {
-                    0 => None,
-                    n => Some(
-                        ReadMap::new(file, n as usize, false)
-                            .map_err(|e| ImageError::io(&path, e))?,
-                    ),
-                };
-                maps.push(map);
-            }
+            maps.extend(layer.map_files(false)?);
         }
         let mut out = Vec::with_capacity(chunks.len());
         for &(id, index) in chunks {
