@@ -1580,13 +1580,6 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let allocs = self.movable()?;
         let mut reader = ImageReader::open(image_dir)?;
         let plan = self.match_image(&reader, &allocs, true)?;
-        let mapped_reads = self.opts.map_reads != MapReads::Off
-            && reader
-                .map_data_files(self.opts.map_reads == MapReads::HugePages)
-                .unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, "cannot map the image; copy-in reads it with read(2)");
-                    false
-                });
         // Chunks hashed on the GPU at copy-out are checked there after the copy (one
         // kernel pass), not by the CPU reading every byte on the way in.
         let device_check = self.opts.device_hash
@@ -1599,9 +1592,15 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if device_check {
             reader.defer_gpu_hashed_checks();
         }
-        let (bytes, staging_bytes, mut profile) = match self.fill_direct(&reader, &allocs, &plan)? {
+        let direct = self.fill_direct(&reader, &allocs, &plan)?;
+        // Only the staged readers read through the map.
+        let mut mapped_reads = false;
+        let (bytes, staging_bytes, mut profile) = match direct {
             Some(done) => done,
-            None => self.fill(&reader, &allocs, &plan, start)?,
+            None => {
+                mapped_reads = self.map_for_reads(&mut reader);
+                self.fill(&reader, &allocs, &plan, start)?
+            }
         };
         if device_check {
             let t = Instant::now();
@@ -1618,6 +1617,18 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
+    }
+
+    /// Maps the image's data files for the staged readers as `map_reads` says; whether
+    /// they are mapped (a failure is logged, and the readers use `read(2)`).
+    fn map_for_reads(&self, reader: &mut ImageReader) -> bool {
+        self.opts.map_reads != MapReads::Off
+            && reader
+                .map_data_files(self.opts.map_reads == MapReads::HugePages)
+                .unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "cannot map the image; copy-in reads it with read(2)");
+                    false
+                })
     }
 
     /// After a copy-in with deferred checks: hashes the allocations on the GPU and
