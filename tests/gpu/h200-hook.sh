@@ -10,7 +10,8 @@
 #    measured in this run. GPUCR_HOOK_PROBES="keeper": keeper_probe.cu (device memory held
 #    by another process across the driver's cycle); "register": register_probe.cu (how fast a
 #    tmpfs file is pinned for DMA, direct vs staged vs both feeding the copy-in;
-#    GPUCR_HOOK_PROBE_WIN_MIB windows). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
+#    GPUCR_HOOK_PROBE_WIN_MIB windows); "xproc": xproc_probe.cu (staged and registered copy-ins
+#    of one 16 GiB file split between processes started at once). GPUCR_HOOK_WARM_GIB=N: write and drop N GiB
 #    of tmpfs before the benchmarks (a fresh VM's first touch of its memory is slower; a
 #    long-running node's memory is warm). GPUCR_HOOK_OVERHEAD=0 skips step 0;
 #    GPUCR_HOOK_OVERHEAD_ROUNDS (3) interleaved rounds; GPUCR_HOOK_OVERHEAD_VARIANT="VAR=V"
@@ -23,7 +24,8 @@
 #    each optionally :PHASES, e.g. "1+63:driver,fast,incr")
 #    GPUCR_HOOK_SWEEP: hook settings side by side at GPUCR_HOOK_SWEEP_SIZE (phases
 #    GPUCR_HOOK_SWEEP_PHASES, default fast; GPUCR_SWEEP_SHM=1 in a setting puts its images
-#    on /dev/shm, 4 KiB pages)
+#    on /dev/shm, 4 KiB pages; GPUCR_SWEEP_NODE=N|gpu|far runs it on the CPUs of
+#    NUMA node N, the GPU's node or another one)
 # 3. containers (GPUCR_HOOK_E2E, default "c d"): h200-e2e.sh with GPUCR_E2E_HOOK=1 — gpucr
 #    injects the hook and checkpoints/restores through it; hashes checked against references
 # Results: $OUT/hook-results.jsonl, $OUT/hook-summary.txt, and h200-e2e.sh's files.
@@ -55,6 +57,16 @@ HOOK=$CARRY/bin/libgpucr_hook.so
 install -m 0755 "$HOOK" "$TOOLS/libgpucr_hook.so"
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | tee -a "$SUM"
+# The host's NUMA layout and the GPU's node: where the staging buffers and the image's
+# pages sit decides how far the DMA and the readers' copies travel.
+gpu_bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | head -1 | tr 'A-F' 'a-f' | sed 's/^0000//')
+gpu_node=$(cat /sys/bus/pci/devices/0000${gpu_bus#0000}/numa_node 2>/dev/null || echo '?')
+{
+  echo "cpus $(nproc), numa nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l), gpu $gpu_bus on node $gpu_node"
+  for n in /sys/devices/system/node/node*; do
+    [ -d "$n" ] && echo "  $(basename "$n"): cpus $(cat "$n/cpulist") mem $(awk '/MemTotal/ {print int($4/1048576) " GiB"}' "$n/meminfo")"
+  done
+} | tee -a "$SUM"
 command -v nvcc >/dev/null || PATH=$PATH:/usr/local/cuda/bin
 log "build: workload, pinned_ceiling, drive"
 nvcc -O2 -gencode arch=compute_90,code=sm_90 -o "$TOOLS/workload" "$REPO/tests/gpu/workload.cu" || exit 1
@@ -102,6 +114,28 @@ for probe in ${GPUCR_HOOK_PROBES:-}; do
         log "register probe 16 GiB, windows of $w MiB"
         timeout 240 "$TOOLS/register_probe" "$TMPFS" 16 "$w" 2>&1 | tee -a "$SUM"
       done ;;
+    xproc)
+      nvcc -O2 -o "$TOOLS/xproc_probe" "$REPO/tests/gpu/xproc_probe.cu" -lcuda || continue
+      f=$TMPFS/xproc.bin
+      "$TOOLS/xproc_probe" mkfile "$f" 16
+      # Each line: processes started at the same instant, "MODE:OFF_GIB:LEN_GIB" each.
+      for set in "staged:0:16" "direct:0:16" "staged:0:8 direct:8:8" "direct:0:8 direct:8:8" \
+                 "staged:0:8 staged:8:8" "staged:0:6 direct:6:10" \
+                 "direct:0:4 direct:4:4 direct:8:4 direct:12:4" "staged:0:8 direct:8:4 direct:12:4"; do
+        start=$(( $(date +%s%N) + 5000000000 ))
+        pids=()
+        for p in $set; do
+          IFS=: read -r mode off len <<<"$p"
+          timeout 60 "$TOOLS/xproc_probe" "$mode" "$f" "$off" "$len" "$start" >"$TMPFS/xproc.$off.out" 2>&1 &
+          pids+=($!)
+        done
+        wait "${pids[@]}"
+        end=$(cat "$TMPFS"/xproc.*.out | sed -n 's/.*end_ns=\([0-9]*\).*/\1/p' | sort -n | tail -1)
+        echo "xproc [$set] all: $(awk -v e="${end:-0}" -v s="$start" 'BEGIN { printf "s=%.3f gbps=%.1f", (e - s) / 1e9, 16 * 1.073741824 / ((e - s) / 1e9) }')" | tee -a "$SUM"
+        sed 's/^/    /' "$TMPFS"/xproc.*.out | tee -a "$SUM"
+        rm -f "$TMPFS"/xproc.*.out
+      done
+      rm -f "$f" ;;
   esac
 done
 if [ "${GPUCR_HOOK_WARM_GIB:-0}" -gt 0 ]; then
@@ -143,9 +177,23 @@ for entry in ${GPUCR_HOOK_SWEEP:-}; do
   # GPUCR_SWEEP_SHM=1 in a setting: its images go to /dev/shm (4 KiB pages) instead.
   images=$TMPFS
   case ",$vars," in *,GPUCR_SWEEP_SHM=1,*) images=/dev/shm/gpucr-hook-shm; mkdir -p "$images" ;; esac
-  log "sweep $label ($vars) at $sweep_size, images in $images"
+  # GPUCR_SWEEP_NODE=N in a setting: the bench (workload, hook threads, the pages they
+  # first touch) runs on node N's CPUs only.
+  pin=()
+  node=$(echo ",$vars," | sed -n 's/.*,GPUCR_SWEEP_NODE=\([a-z0-9]*\),.*/\1/p')
+  case $node in
+    gpu) node=$gpu_node ;;
+    far) node=$(ls -d /sys/devices/system/node/node* | sed 's/.*node//' | grep -vx "$gpu_node" | head -1) ;;
+  esac
+  if [ -n "$node" ]; then
+    [ -r "/sys/devices/system/node/node$node/cpulist" ] || { echo "sweep $label: SKIPPED (no NUMA node '$node')" | tee -a "$SUM"; continue; }
+    pin=(taskset -c "$(cat "/sys/devices/system/node/node$node/cpulist")")
+  elif [ -n "$(echo ",$vars," | grep ',GPUCR_SWEEP_NODE=')" ]; then
+    echo "sweep $label: SKIPPED (no such NUMA node)" | tee -a "$SUM"; continue
+  fi
+  log "sweep $label ($vars) at $sweep_size, images in $images ${pin[*]}"
   # shellcheck disable=SC2046 # one VAR=V word per setting
-  env $(echo "$vars" | tr ',' ' ') timeout 300 python3 "$REPO/tests/gpu/hook_bench.py" \
+  env $(echo "$vars" | tr ',' ' ') "${pin[@]}" timeout 300 python3 "$REPO/tests/gpu/hook_bench.py" \
     --workload "$TOOLS/workload" --drive "$TOOLS/drive" --hook "$TOOLS/libgpucr_hook.so" \
     --gib "$g" --static-gib "$st" --ref "$ref" --tmpfs "$images" --disk "$DISK" --out "$RES" \
     --label "$sweep_size-$label" --phases "${GPUCR_HOOK_SWEEP_PHASES:-fast}"

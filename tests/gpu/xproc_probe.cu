@@ -1,0 +1,178 @@
+// Does the driver serialize pinning with DMA across processes, or only inside one? One
+// process cannot register host memory while its copies run (register_probe.cu: register +
+// DMA = their sum). Two processes, each with its own context, started at the same instant:
+//   xproc_probe mkfile FILE GIB                      -> writes FILE (GIB GiB)
+//   xproc_probe staged FILE OFF_GIB LEN_GIB START_NS -> 12 threads pread the range into a
+//       ring of 32 pinned 16 MiB buffers, DMA'd as filled on 4 streams (the hook's copy-in)
+//   xproc_probe direct FILE OFF_GIB LEN_GIB START_NS -> the range mapped (populated) and
+//       registered read-only in 512 MiB windows by 8 threads, each DMA'd once registered
+// Setup (context, device memory, pinned ring, mapping) happens before START_NS
+// (CLOCK_REALTIME); the timed part starts there. Prints
+//   "xprobe MODE gib=.. s=.. gbps=.. end_ns=.." (end_ns: everything on the GPU).
+// Build: nvcc -O2 -o xproc_probe xproc_probe.cu -lcuda (GPUCR_HOOK_PROBES=xproc in h200-hook.sh)
+#include <cuda.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+
+#define CK(call)                                                     \
+  do {                                                               \
+    CUresult r_ = (call);                                            \
+    if (r_ != CUDA_SUCCESS) {                                        \
+      const char *s_ = "";                                           \
+      cuGetErrorString(r_, &s_);                                     \
+      fprintf(stderr, "xproc_probe: %s: %d %s\n", #call, r_, s_);    \
+      exit(2);                                                       \
+    }                                                                \
+  } while (0)
+
+static double mono(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+static long long real_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+#define BUF (16u << 20)
+#define NBUF 32
+#define WIN (512u << 20)
+static CUcontext ctx;
+static int fd;
+static char *map, *pinned;
+static size_t off0, len;
+static std::atomic<size_t> next;
+static std::atomic<int> *ready;  // per piece/window: 1 filled / registered
+static std::atomic<size_t> turn[NBUF];  // the piece that may fill the buffer next
+
+static void *reader(void *) {
+  size_t n = (len + BUF - 1) / BUF;
+  for (;;) {
+    size_t p = next.fetch_add(1);
+    if (p >= n) return NULL;
+    int b = (int)(p % NBUF);  // pieces take buffers in turn; wait until the DMA frees it
+    while (turn[b].load() != p) sched_yield();
+    size_t o = p * BUF, l = len - o < BUF ? len - o : BUF;
+    if (pread(fd, pinned + (size_t)b * BUF, l, off0 + o) != (ssize_t)l) perror("pread"), exit(1);
+    ready[p].store(1);
+  }
+}
+
+static void *registrar(void *) {
+  cuCtxSetCurrent(ctx);
+  size_t n = len / WIN;
+  for (;;) {
+    size_t k = next.fetch_add(1);
+    if (k >= n) return NULL;
+    CK(cuMemHostRegister(map + k * WIN, WIN, CU_MEMHOSTREGISTER_READ_ONLY));
+    ready[k].store(1);
+  }
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 4 && !strcmp(argv[1], "mkfile")) {
+    size_t total = (size_t)(atof(argv[3]) * 1073741824.0);
+    int f = open(argv[2], O_RDWR | O_CREAT | O_TRUNC, 0600);
+    char *blk = (char *)malloc(BUF);
+    for (size_t i = 0; i < BUF; i++) blk[i] = (char)(i * 131 + 7);
+    for (size_t o = 0; o < total; o += BUF)
+      if (pwrite(f, blk, BUF, o) != BUF) return perror("pwrite"), 1;
+    close(f);
+    return 0;
+  }
+  if (argc < 6) {
+    fprintf(stderr, "usage: xproc_probe staged|direct FILE OFF_GIB LEN_GIB START_NS\n");
+    return 1;
+  }
+  int direct = !strcmp(argv[1], "direct");
+  off0 = (size_t)(atof(argv[3]) * 1073741824.0);
+  len = (size_t)(atof(argv[4]) * 1073741824.0);
+  len -= len % WIN;
+  long long start = atoll(argv[5]);
+  fd = open(argv[2], O_RDONLY);
+  if (fd < 0) return perror("open"), 1;
+  CK(cuInit(0));
+  CUdevice d;
+  CK(cuDeviceGet(&d, 0));
+  CK(cuDevicePrimaryCtxRetain(&ctx, d));
+  CK(cuCtxSetCurrent(ctx));
+  CUdeviceptr dev;
+  CK(cuMemAlloc(&dev, len));
+  size_t n = direct ? len / WIN : (len + BUF - 1) / BUF;
+  ready = new std::atomic<int>[n]();
+  CUstream st[4];
+  for (int i = 0; i < 4; i++) CK(cuStreamCreate(&st[i], CU_STREAM_NON_BLOCKING));
+  CUevent ev[NBUF];
+  for (int i = 0; i < NBUF; i++) CK(cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
+  if (direct) {
+    map = (char *)mmap(NULL, len, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, off0);
+    if (map == MAP_FAILED) return perror("mmap"), 1;
+  } else {
+    CK(cuMemHostAlloc((void **)&pinned, (size_t)NBUF * BUF, 0));
+    memset(pinned, 0, (size_t)NBUF * BUF);
+    for (int b = 0; b < NBUF; b++) turn[b].store(b);
+  }
+  long long wait = start - real_ns();
+  if (wait < 0) fprintf(stderr, "xproc_probe: setup ended %.3f s after the start\n", -wait / 1e9);
+  while (real_ns() < start) {
+  }
+  double a = mono();
+  pthread_t th[16];
+  int nt = direct ? 8 : 12;
+  for (int i = 0; i < nt; i++) pthread_create(&th[i], NULL, direct ? registrar : reader, NULL);
+  long live[NBUF];  // the piece whose DMA reads the buffer, -1 none
+  for (int b = 0; b < NBUF; b++) live[b] = -1;
+  for (size_t k = 0; k < n;) {
+    int progress = 0;
+    if (ready[k].load()) {
+      CUstream q = st[k % 4];
+      if (direct) {
+        CK(cuMemcpyHtoDAsync(dev + k * WIN, map + k * WIN, WIN, q));
+      } else {
+        int b = (int)(k % NBUF);
+        size_t o = k * BUF, l = len - o < BUF ? len - o : BUF;
+        CK(cuMemcpyHtoDAsync(dev + o, pinned + (size_t)b * BUF, l, q));
+        CK(cuEventRecord(ev[b], q));
+        live[b] = (long)k;
+      }
+      k++;
+      progress = 1;
+    }
+    for (int b = 0; !direct && b < NBUF; b++)
+      if (live[b] >= 0 && cuEventQuery(ev[b]) == CUDA_SUCCESS)
+        turn[b].store((size_t)live[b] + NBUF), live[b] = -1;
+    if (!progress) sched_yield();
+  }
+  CK(cuCtxSynchronize());
+  double s = mono() - a;
+  long long end = real_ns();
+  for (int i = 0; i < nt; i++) pthread_join(th[i], NULL);
+  double u = 0;
+  if (direct) {
+    double b = mono();
+    for (size_t k = 0; k < n; k++) CK(cuMemHostUnregister(map + k * WIN));
+    u = mono() - b;
+  }
+  // The device got the range: its first and last 16 MiB.
+  char *back = (char *)malloc(BUF), *want = (char *)malloc(BUF);
+  int ok = 1;
+  size_t at[2] = {0, len - BUF};
+  for (int i = 0; i < 2; i++) {
+    CK(cuMemcpyDtoH(back, dev + at[i], BUF));
+    ok = ok && pread(fd, want, BUF, off0 + at[i]) == BUF && !memcmp(back, want, BUF);
+  }
+  printf("xprobe %s gib=%.1f s=%.3f gbps=%.1f end_ns=%lld unregister_s=%.3f check=%s\n", argv[1],
+         len / 1073741824.0, s, len / s / 1e9, end, u, ok ? "ok" : "MISMATCH");
+  return 0;
+}
