@@ -118,15 +118,18 @@ for probe in ${GPUCR_HOOK_PROBES:-}; do
       nvcc -O2 -o "$TOOLS/xproc_probe" "$REPO/tests/gpu/xproc_probe.cu" -lcuda || continue
       f=$TMPFS/xproc.bin
       "$TOOLS/xproc_probe" mkfile "$f" 16
-      # Each line: processes started at the same instant, "MODE:OFF_GIB:LEN_GIB" each.
-      for set in "staged:0:16" "direct:0:16" "staged:0:8 direct:8:8" "direct:0:8 direct:8:8" \
-                 "staged:0:8 staged:8:8" "staged:0:6 direct:6:10" \
-                 "direct:0:4 direct:4:4 direct:8:4 direct:12:4" "staged:0:8 direct:8:4 direct:12:4"; do
+      # Each set: processes started at the same instant, "MODE:OFF_GIB:LEN_GIB[:DIRECT_GIB]"
+      # each, joined by '+'.
+      # shellcheck disable=SC2086 # GPUCR_HOOK_XPROC_SETS: one set per word, ' ' -> '+'
+      for set in ${GPUCR_HOOK_XPROC_SETS:-staged:0:16 direct:0:16 staged:0:8+direct:8:8 direct:0:8+direct:8:8 \
+                 staged:0:8+staged:8:8 staged:0:6+direct:6:10 direct:0:4+direct:4:4+direct:8:4+direct:12:4 \
+                 staged:0:8+direct:8:4+direct:12:4}; do
+        set=${set//+/ }
         start=$(( $(date +%s%N) + 5000000000 ))
         pids=()
         for p in $set; do
-          IFS=: read -r mode off len <<<"$p"
-          timeout 60 "$TOOLS/xproc_probe" "$mode" "$f" "$off" "$len" "$start" >"$TMPFS/xproc.$off.out" 2>&1 &
+          IFS=: read -r mode off len dgib <<<"$p"
+          timeout 60 "$TOOLS/xproc_probe" "$mode" "$f" "$off" "$len" "$start" ${dgib:+"$dgib"} >"$TMPFS/xproc.$off.out" 2>&1 &
           pids+=($!)
         done
         wait "${pids[@]}"
