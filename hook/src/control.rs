@@ -25,7 +25,7 @@ use crate::driver::DevicePtr;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
     ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, PrepareReport, Reply, Request,
-    SnapshotReport, Verb, FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
+    SnapshotReport, Verb, WarmReport, FD_BATCH, MAX_FDS, MAX_FRAME, MAX_HELD, MAX_REPLY_FRAME,
 };
 
 /// What the controller drives: the fast path, or a stub in tests.
@@ -60,6 +60,10 @@ pub trait Engine: Send {
     fn prepared(&self) -> bool;
     /// Drops a prepared CopyOut, if any.
     fn drop_prepared(&self);
+    /// Starts what the next copy-in can use (its helpers); none by default.
+    fn warm(&self) -> Result<WarmReport, Self::Error> {
+        Ok(WarmReport::default())
+    }
 }
 
 /// Control errors.
@@ -89,6 +93,8 @@ impl CheckpointState {
         match (self, verb) {
             (state, Verb::Status) => Ok(state),
             (S::Running, Verb::Prepare) => Ok(S::Running),
+            // Before a copy-in: a process waiting for its memory (restored, or released).
+            (S::Released | S::Snapshotted | S::Remapped, Verb::Warm) => Ok(self),
             (S::Running, Verb::Freeze) => Ok(S::Frozen),
             (S::Frozen, Verb::CopyOut) => Ok(S::CopiedOut),
             (S::CopiedOut, Verb::Release) => Ok(S::Released),
@@ -263,6 +269,7 @@ impl<E: Engine> Controller<E> {
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
             }
+            Request::Warm => Outcome::Warmed(e.warm()?),
             Request::Remap => Outcome::Remapped(e.remap()?),
             Request::CopyIn { image_dir } => Outcome::CopiedIn(e.copy_in(image_dir)?),
             Request::Thaw => e.thaw().map(|()| Outcome::Thawed)?,

@@ -149,6 +149,7 @@ impl Engine for StubEngine {
             seconds: 0.0,
             profile: Default::default(),
             mapped_reads: false,
+            helpers: Vec::new(),
         })
     }
     fn thaw(&self) -> Result<(), StubError> {
@@ -207,6 +208,7 @@ fn request(verb: Verb) -> Request {
             image_dir: "/img".into(),
             parent: None,
         },
+        Verb::Warm => Request::Warm,
     }
 }
 
@@ -222,7 +224,7 @@ const STATES: [CheckpointState; 10] = [
     CheckpointState::SnapshotReattached,
     CheckpointState::WritePending,
 ];
-const ALL_VERBS: [Verb; 12] = [
+const ALL_VERBS: [Verb; 13] = [
     Verb::Freeze,
     Verb::CopyOut,
     Verb::Release,
@@ -235,6 +237,7 @@ const ALL_VERBS: [Verb; 12] = [
     Verb::WriteSnapshot,
     Verb::DropSnapshot,
     Verb::Prepare,
+    Verb::Warm,
 ];
 
 #[test]
@@ -258,6 +261,9 @@ fn transition_table_over_every_state_and_verb() {
         (S::WritePending, Verb::WriteSnapshot, S::Running),
         (S::WritePending, Verb::DropSnapshot, S::Running),
         (S::Running, Verb::Prepare, S::Running),
+        (S::Released, Verb::Warm, S::Released),
+        (S::Snapshotted, Verb::Warm, S::Snapshotted),
+        (S::Remapped, Verb::Warm, S::Remapped),
     ];
     for state in STATES {
         for verb in ALL_VERBS {

@@ -161,6 +161,11 @@ pub trait VmmDriver: Send + Sync {
             code: CUDA_ERROR_NOT_SUPPORTED,
         })
     }
+    /// The CUDA device ordinal of this driver's context (what a copy-in helper opens);
+    /// `None` when it has none (fakes).
+    fn device_ordinal(&self) -> Option<i32> {
+        None
+    }
     /// Bytes of device memory free now (`cuMemGetInfo_v2`); `None` when the driver
     /// cannot say.
     fn free_memory(&self) -> Result<Option<u64>, DriverError> {

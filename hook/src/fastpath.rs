@@ -29,10 +29,11 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
+use crate::helper::{split, Helper, Helpers, Job, Piece};
 use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{
-    CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HookStatus, MemoryReport,
-    PrepareReport, SnapshotReport,
+    CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HelperReport, HookStatus,
+    MemoryReport, PrepareReport, SnapshotReport, WarmReport,
 };
 use crate::snapshot::{Snapshot, SnapshotError};
 
@@ -138,6 +139,13 @@ pub struct FastPathOptions {
     /// Bytes of device memory a snapshot must leave free (the workload may allocate
     /// while it is written); with less room, Snapshot is refused.
     pub snapshot_headroom: u64,
+    /// Copy-in helpers Warm starts (`gpucr-copyin` at `helper_path`; 0: none). See
+    /// [`crate::helper`].
+    pub copy_in_helpers: usize,
+    /// The helper binary (`GPUCR_HOOK_HELPER`; unset: no helpers).
+    pub helper_path: Option<PathBuf>,
+    /// Fraction of a copy-in's bytes the helpers take together.
+    pub helper_share: f64,
 }
 
 /// When the staged copy-in maps an image's data files instead of reading them.
@@ -170,6 +178,9 @@ pub const ENV_DEVICE_HASH: &str = "GPUCR_HOOK_DEVICE_HASH";
 pub const ENV_KEEP: &str = "GPUCR_HOOK_KEEP";
 pub const ENV_SNAPSHOT: &str = "GPUCR_HOOK_SNAPSHOT";
 pub const ENV_SNAPSHOT_HEADROOM_MIB: &str = "GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB";
+pub const ENV_COPYIN_HELPERS: &str = "GPUCR_HOOK_COPYIN_HELPERS";
+pub const ENV_HELPER: &str = "GPUCR_HOOK_HELPER";
+pub const ENV_HELPER_SHARE: &str = "GPUCR_HOOK_HELPER_SHARE";
 
 /// Hook defaults: 16 MiB chunks (few calls per GB, and 32 buffers in each 512 MiB
 /// staging pool: with 16 of 32 MiB the 12 readers and 4 copies in flight held every
@@ -184,6 +195,9 @@ const DEFAULT_STREAMS: usize = 4;
 const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
 /// Free device memory a snapshot leaves the workload (for the seconds of the write).
 const DEFAULT_SNAPSHOT_HEADROOM_MIB: usize = 1024;
+/// What the copy-in helpers take together: on the H200, 6 of 16 GiB in two helpers
+/// while this process staged 10 went in at 46.7 GB/s (`tests/gpu/xproc_probe.cu`).
+const DEFAULT_HELPER_SHARE_PERCENT: u32 = 40;
 
 /// A bad hook copy setting in the environment.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -282,6 +296,32 @@ impl FastPathOptions {
                 reason: "expected a number of MiB",
             })?,
         };
+        let copy_in_helpers = match get(ENV_COPYIN_HELPERS) {
+            None => 0,
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n <= 8 => n,
+                _ => {
+                    return Err(OptionsError {
+                        var: ENV_COPYIN_HELPERS,
+                        value: v,
+                        reason: "expected 0 to 8 helpers",
+                    })
+                }
+            },
+        };
+        let helper_share = match get(ENV_HELPER_SHARE) {
+            None => DEFAULT_HELPER_SHARE_PERCENT as f64 / 100.0,
+            Some(v) => match v.trim().parse::<u32>() {
+                Ok(n) if n <= 100 => n as f64 / 100.0,
+                _ => {
+                    return Err(OptionsError {
+                        var: ENV_HELPER_SHARE,
+                        value: v,
+                        reason: "expected a percentage, 0 to 100",
+                    })
+                }
+            },
+        };
         Ok(FastPathOptions {
             image: ImageOptions {
                 chunk_size,
@@ -304,6 +344,9 @@ impl FastPathOptions {
             keep,
             snapshot,
             snapshot_headroom: headroom << 20,
+            copy_in_helpers,
+            helper_path: get(ENV_HELPER).filter(|v| !v.trim().is_empty()).map(PathBuf::from),
+            helper_share,
         })
     }
 
@@ -665,6 +708,11 @@ pub struct FastPath<D: VmmDriver> {
     snapshot: Mutex<Option<Snapshot>>,
     /// A CopyOut readied by Prepare, until that CopyOut or another verb.
     prepared: Mutex<Option<Prepared<D>>>,
+    /// Copy-in helpers started by Warm, until the copy-in (or Thaw) lets them go.
+    helpers: Mutex<Option<Helpers>>,
+    /// Threads reaping helpers that were let go; joined at the next freeze, so no
+    /// helper is left when anything dumps this process.
+    reapers: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl<D: VmmDriver + 'static> FastPath<D> {
@@ -677,6 +725,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             kept: Mutex::new(BTreeMap::new()),
             snapshot: Mutex::new(None),
             prepared: Mutex::new(None),
+            helpers: Mutex::new(None),
+            reapers: Mutex::new(Vec::new()),
         }
     }
 
@@ -947,6 +997,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// Stops new GPU work, waits for the work in flight and synchronizes the device.
     pub fn freeze(&self) -> Result<(), FastPathError> {
+        self.let_helpers_go();
+        for reaper in std::mem::take(&mut *lock(&self.reapers)) {
+            let _ = reaper.join();
+        }
         self.gate.freeze(self.opts.freeze_timeout)?;
         if let Err(e) = self.driver().synchronize() {
             self.gate.thaw()?;
@@ -1545,7 +1599,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .filter_map(|a| self.allocator.get(a.va))
             .collect();
         let plan = self.match_image(&reader, &now, false)?;
-        self.fill(&reader, &now, &plan, Instant::now())?;
+        let (work, targets) = Self::chunk_work(&reader, &now, &plan);
+        let all: Vec<usize> = (0..work.len()).collect();
+        self.fill(&reader, &work, &targets, &all, Instant::now())?;
         Ok(())
     }
 
@@ -1595,11 +1651,32 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let direct = self.fill_direct(&reader, &allocs, &plan)?;
         // Only the staged readers read through the map.
         let mut mapped_reads = false;
+        let mut helpers = Vec::new();
         let (bytes, staging_bytes, mut profile) = match direct {
             Some(done) => done,
             None => {
                 mapped_reads = self.map_for_reads(&mut reader);
-                self.fill(&reader, &allocs, &plan, start)?
+                let (work, targets) = Self::chunk_work(&reader, &allocs, &plan);
+                // Helpers only take chunks the GPU check below covers.
+                let shared = if device_check {
+                    self.hand_out(&reader, &allocs, &plan, &work, &targets)
+                } else {
+                    self.let_helpers_go();
+                    Shared::default()
+                };
+                let mine: Vec<usize> = (0..work.len()).filter(|i| !shared.taken[*i]).collect();
+                let staged = self.fill(&reader, &work, &targets, &mine, start);
+                // Waited for also when the staging failed: they DMA into our memory.
+                let (reports, failed, reapers) = shared.wait();
+                lock(&self.reapers).extend(reapers);
+                helpers = reports;
+                let (staging_bytes, profile) = staged?;
+                if !failed.is_empty() {
+                    tracing::warn!(chunks = failed.len(), "a copy-in helper failed; staging its share");
+                    self.fill(&reader, &work, &targets, &failed, Instant::now())?;
+                }
+                let bytes = allocs.iter().map(|a| a.size).sum();
+                (bytes, staging_bytes, profile)
             }
         };
         if device_check {
@@ -1614,9 +1691,155 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             seconds: start.elapsed().as_secs_f64(),
             profile,
             mapped_reads,
+            helpers,
         };
         tracing::info!(?report, dir = %image_dir.display(), "device memory copied in");
         Ok(report)
+    }
+
+    /// Starts the copy-in helpers (Warm): they make their CUDA contexts while the
+    /// driver restores this process. None without `copy_in_helpers` and a helper path,
+    /// or when they cannot start (the copy-in then stages everything).
+    pub fn warm(&self) -> Result<WarmReport, FastPathError> {
+        let mut slot = lock(&self.helpers);
+        if let Some(h) = slot.as_ref() {
+            return Ok(WarmReport { helpers: h.len() });
+        }
+        let (n, Some(path)) = (self.opts.copy_in_helpers, self.opts.helper_path.as_ref()) else {
+            return Ok(WarmReport::default());
+        };
+        if n == 0 {
+            return Ok(WarmReport::default());
+        }
+        let Some(device) = self.driver().device_ordinal() else {
+            tracing::info!("copy-in helpers not started: the driver has no device ordinal");
+            return Ok(WarmReport::default());
+        };
+        match Helpers::spawn(path, n, device) {
+            Ok(h) => {
+                tracing::info!(helpers = h.len(), path = %path.display(), "copy-in helpers starting");
+                let helpers = h.len();
+                *slot = Some(h);
+                Ok(WarmReport { helpers })
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "copy-in helpers not started; the copy-in stages everything");
+                Ok(WarmReport::default())
+            }
+        }
+    }
+
+    /// Lets any helpers go unused (reaped in the background, joined at the next freeze).
+    fn let_helpers_go(&self) {
+        if let Some(h) = lock(&self.helpers).take() {
+            lock(&self.reapers).extend(h.finish());
+        }
+    }
+
+    /// Gives the ready helpers their shares of `work` (see [`crate::helper::split`]):
+    /// raw, gh1-hashed chunks of a tmpfs image, the memory they land in exported.
+    /// Anything that does not work out leaves the chunks to the staged copy.
+    fn hand_out(
+        &self,
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        plan: &[AllocId],
+        work: &[(AllocId, usize)],
+        targets: &[DevicePtr],
+    ) -> Shared {
+        let mut shared = Shared {
+            taken: vec![false; work.len()],
+            ..Shared::default()
+        };
+        let Some(helpers) = lock(&self.helpers).take() else {
+            return shared;
+        };
+        let mut reapers = Vec::new();
+        let ready = if reader.direct_refusal().is_none() {
+            helpers.ready_now(&mut reapers)
+        } else {
+            reapers.extend(helpers.finish());
+            Vec::new()
+        };
+        lock(&self.reapers).extend(reapers);
+        if ready.is_empty() {
+            return shared;
+        }
+        let places = match reader.raw_places(work) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(error = %e, "copy-in helpers not used");
+                lock(&self.reapers).extend(ready.into_iter().map(Helper::finish));
+                return shared;
+            }
+        };
+        let lens: Vec<u64> = work
+            .iter()
+            .map(|&(id, index)| reader.allocations()[id.0].chunks[index].len)
+            .collect();
+        let groups = split(&places, &lens, self.opts.helper_share, ready.len());
+        let files = reader.data_files();
+        let by_id: std::collections::HashMap<usize, usize> =
+            plan.iter().enumerate().map(|(i, id)| (id.0, i)).collect();
+        let mut ready = ready.into_iter();
+        for group in groups {
+            let Some(mut helper) = ready.next() else { break };
+            let mut job = Job {
+                allocs: Vec::new(),
+                files: files.len(),
+                pieces: Vec::with_capacity(group.len()),
+            };
+            let mut fds = Vec::new();
+            let mut index_of = std::collections::HashMap::new();
+            let mut ok = true;
+            for &i in &group {
+                let alloc = &allocs[by_id[&work[i].0 .0]];
+                let a = match index_of.get(&alloc.va) {
+                    Some(&a) => a,
+                    None => match self.allocator.export(alloc.va) {
+                        Ok(Some(fd)) if fd_room(fds.len() + 1) => {
+                            fds.push(fd);
+                            job.allocs.push(alloc.mapped_size);
+                            index_of.insert(alloc.va, job.allocs.len() - 1);
+                            job.allocs.len() - 1
+                        }
+                        other => {
+                            let why = match other {
+                                Err(e) => e.to_string(),
+                                _ => "its memory cannot be exported here".into(),
+                            };
+                            tracing::info!(va = alloc.va, reason = %why, "copy-in helper not used");
+                            ok = false;
+                            break;
+                        }
+                    },
+                };
+                let place = places[i].expect("split hands out raw chunks only");
+                job.pieces.push(Piece {
+                    alloc: a,
+                    alloc_offset: targets[i] - alloc.va,
+                    file: place.file,
+                    file_offset: place.offset,
+                    len: place.len,
+                });
+            }
+            if !ok {
+                lock(&self.reapers).push(helper.finish());
+                continue;
+            }
+            if let Err(e) = helper.send(&job, &fds, &files) {
+                tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
+                lock(&self.reapers).push(helper.finish());
+                continue;
+            }
+            for &i in &group {
+                shared.taken[i] = true;
+            }
+            let bytes = group.iter().map(|&i| lens[i]).sum();
+            shared.running.push((helper, group, bytes));
+        }
+        lock(&self.reapers).extend(ready.map(Helper::finish));
+        shared
     }
 
     /// Maps the image's data files for the staged readers as `map_reads` says; whether
@@ -1863,15 +2086,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     fn fill(
         &self,
         reader: &ImageReader,
-        allocs: &[Allocation],
-        plan: &[AllocId],
+        all_work: &[(AllocId, usize)],
+        all_targets: &[DevicePtr],
+        items: &[usize],
         start: Instant,
-    ) -> Result<(u64, u64, CopyProfile), FastPathError> {
+    ) -> Result<(u64, CopyProfile), FastPathError> {
         let chunk = reader.manifest().chunk_size as usize;
-        let (work, targets) = Self::chunk_work(reader, allocs, plan);
-        let bytes = allocs.iter().map(|a| a.size).sum();
+        let work: Vec<_> = items.iter().map(|&i| all_work[i]).collect();
+        let targets: Vec<_> = items.iter().map(|&i| all_targets[i]).collect();
         if work.is_empty() {
-            return Ok((bytes, 0, CopyProfile::default()));
+            return Ok((0, CopyProfile::default()));
         }
         let count = (self.opts.copy_in_staging / chunk).max(2);
         let pool = StagingPool::new(count, chunk, self.pin())?;
@@ -1920,7 +2144,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             buffers = count,
             "copy-in staging"
         );
-        Ok((bytes, (count * chunk) as u64, profile))
+        Ok(((count * chunk) as u64, profile))
     }
 
     /// The image allocation of each of `allocs`, checked before anything is copied;
@@ -1964,6 +2188,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// Lets GPU work go on; refused while any allocation has no physical memory.
     pub fn thaw(&self) -> Result<(), FastPathError> {
+        self.let_helpers_go();
         let count = self
             .allocator
             .table()
@@ -1975,6 +2200,61 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         }
         Ok(self.gate.thaw()?)
     }
+}
+
+/// The helpers a copy-in handed chunks to.
+#[derive(Default)]
+struct Shared {
+    /// Per work item: a helper has it.
+    taken: Vec<bool>,
+    /// Each helper, its work items and their bytes.
+    running: Vec<(Helper, Vec<usize>, u64)>,
+}
+
+impl Shared {
+    /// Waits for every helper's reply: their reports, the work items of those that
+    /// failed (to be staged), and the helpers' reapers.
+    fn wait(self) -> (Vec<HelperReport>, Vec<usize>, Vec<std::thread::JoinHandle<()>>) {
+        let mut reports = Vec::new();
+        let mut failed = Vec::new();
+        let mut reapers = Vec::new();
+        for (mut helper, items, bytes) in self.running {
+            let mut report = HelperReport {
+                pid: helper.pid(),
+                bytes,
+                init_s: helper.init_s.unwrap_or_default(),
+                ..HelperReport::default()
+            };
+            match helper.wait_done() {
+                Ok((_, seconds, register_s)) => {
+                    report.seconds = seconds;
+                    report.register_s = register_s;
+                    reapers.push(helper.finish());
+                }
+                Err(e) => {
+                    tracing::warn!(pid = report.pid, error = %e, "copy-in helper failed");
+                    report.error = Some(e);
+                    // Stopped before its chunks are staged again: it must not write
+                    // into this memory any more.
+                    drop(helper);
+                    failed.extend(items);
+                }
+            }
+            reports.push(report);
+        }
+        failed.sort_unstable();
+        (reports, failed, reapers)
+    }
+}
+
+/// Whether `n` more fds fit under this process's limit.
+fn fd_room(n: usize) -> bool {
+    crate::control::FdRoom::now().is_ok_and(|r| r.fits(n))
+}
+
+/// Locks, also after a panic elsewhere (the data stays usable).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<D: VmmDriver + 'static> Engine for FastPath<D> {
@@ -2038,6 +2318,10 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     fn prepared(&self) -> bool {
         self.is_prepared()
     }
+    fn warm(&self) -> Result<WarmReport, FastPathError> {
+        FastPath::warm(self)
+    }
+
     fn drop_prepared(&self) {
         FastPath::drop_prepared(self)
     }

@@ -42,6 +42,9 @@ fn opts() -> FastPathOptions {
         keep: true,
         snapshot: true,
         snapshot_headroom: 0,
+        copy_in_helpers: 0,
+        helper_path: None,
+        helper_share: 0.4,
     }
 }
 

@@ -9,6 +9,7 @@ pub mod driver;
 pub mod fake;
 pub mod fastpath;
 pub mod gate;
+pub mod helper;
 pub mod hook;
 pub mod prepared;
 pub mod protocol;

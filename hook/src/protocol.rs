@@ -79,6 +79,9 @@ pub enum Request {
         #[serde(default)]
         keep: bool,
     },
+    /// Start the copy-in helpers now, ahead of the copy-in (their CUDA contexts take a
+    /// while; sent before the driver's restore). The state does not change.
+    Warm,
     /// Create physical memory again at the same VAs.
     Remap,
     /// Map the memory kept since Release back at its addresses `held` (the reply's
@@ -113,7 +116,7 @@ pub enum Request {
 }
 
 /// The verbs [`Request`] knows, to tell an unknown verb from a malformed request.
-pub const VERBS: [&str; 12] = [
+pub const VERBS: [&str; 13] = [
     "Freeze",
     "CopyOut",
     "Release",
@@ -126,6 +129,7 @@ pub const VERBS: [&str; 12] = [
     "WriteSnapshot",
     "DropSnapshot",
     "Prepare",
+    "Warm",
 ];
 
 impl Request {
@@ -144,6 +148,7 @@ impl Request {
             Request::WriteSnapshot { .. } => Verb::WriteSnapshot,
             Request::DropSnapshot => Verb::DropSnapshot,
             Request::Prepare { .. } => Verb::Prepare,
+            Request::Warm => Verb::Warm,
         }
     }
 }
@@ -163,6 +168,7 @@ pub enum Verb {
     WriteSnapshot,
     DropSnapshot,
     Prepare,
+    Warm,
 }
 
 /// Where the hook is in the checkpoint sequence. Declaration order is the protocol
@@ -211,6 +217,7 @@ pub enum Outcome {
     SnapshotWritten(CopyOutReport),
     SnapshotDropped,
     Prepared(PrepareReport),
+    Warmed(WarmReport),
 }
 
 /// A Prepare's result: the data file's size (every chunk's place), the windows
@@ -307,6 +314,33 @@ pub struct CopyInReport {
     /// The image's data files were read through a mapping (tmpfs), not `read(2)`.
     #[serde(default)]
     pub mapped_reads: bool,
+    /// The copy-in helpers that took a share (see [`crate::helper`]).
+    #[serde(default)]
+    pub helpers: Vec<HelperReport>,
+}
+
+/// One copy-in helper's part.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct HelperReport {
+    pub pid: u32,
+    /// Bytes it was given.
+    pub bytes: u64,
+    /// From its job to its reply.
+    pub seconds: f64,
+    /// Its context's start-up, from its spawn.
+    pub init_s: f64,
+    /// From its job until its last stretch was pinned.
+    pub register_s: f64,
+    /// Why it failed (its share was staged after the others).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// What Warm started.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WarmReport {
+    /// Copy-in helpers now starting (0: none configured, or they could not start).
+    pub helpers: usize,
 }
 
 /// The hook's state, for the shim and tools.

@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use super::direct::{is_tmpfs, ReadMap};
 use super::error::{ChunkPlace, ImageError};
 use super::layer::{chain_hashes, open_chain, Layer, ParentChunk};
-use super::manifest::{Allocation, ChunkKey, Codec, ContentHash, ImageId, Location, Manifest};
+use super::manifest::{Allocation, Chunk, ChunkKey, Codec, ContentHash, ImageId, Location, Manifest};
 use super::staging::{StagingBuf, StagingPool};
 use super::summary::Summary;
 use super::writer::NoDirect;
@@ -39,6 +39,25 @@ pub struct MappedChunk {
     /// Checked by the caller on the GPU (see [`ImageReader::defer_gpu_hashed_checks`]).
     deferred: bool,
     place: ChunkPlace,
+}
+
+/// Where a stored chunk's bytes are: layer, data file of that layer, offset, encoding.
+#[derive(Debug, Clone, Copy)]
+struct Stored {
+    layer: usize,
+    file: usize,
+    offset: u64,
+    codec: Codec,
+}
+
+/// A chunk stored raw: data file `file` of [`ImageReader::data_files`], at `offset`,
+/// `len` bytes; whether the manifest has its gh1 digest (checkable on the GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawPlace {
+    pub file: usize,
+    pub offset: u64,
+    pub len: u64,
+    pub gpu_hashed: bool,
 }
 
 /// A mapped data file: base and length (what a DMA engine registers).
@@ -400,47 +419,12 @@ impl ImageReader {
         }
         let mut out = Vec::with_capacity(chunks.len());
         for &(id, index) in chunks {
-            let alloc = self.alloc(id)?;
-            let chunk = alloc.chunks.get(index).ok_or_else(|| {
-                ImageError::Usage(format!("allocation {:#x} has no chunk {index}", alloc.va))
-            })?;
-            let mut place = ChunkPlace {
-                va: alloc.va,
-                pid: alloc.tags.pid,
-                offset: chunk.offset,
-                file: std::path::PathBuf::new(),
-                file_offset: 0,
-            };
-            let (layer, location) = match (chunk.at, chunk.key()) {
-                (Location::Zero, _) => {
-                    out.push(MappedChunk {
-                        len: chunk.len as usize,
-                        at: None,
-                        crc32c: None,
-                        deferred: false,
-                        place,
-                    });
-                    continue;
-                }
-                (Location::Parent { image }, Some(hash)) => self
-                    .layers
-                    .iter()
-                    .position(|l| l.manifest.id == image)
-                    .and_then(|i| self.layers[i].by_hash.get(&hash).map(|s| (i, s.location)))
-                    .ok_or_else(|| ImageError::Worker("parent reference not resolved".into()))?,
-                (location, _) => (0, location),
-            };
-            let Location::Data { file, offset, .. } = location else {
-                return Err(ImageError::Worker("chunk location is not data".into()));
-            };
-            let l = &self.layers[layer];
-            place.file = l.dir.join(&l.manifest.files[file as usize].name);
-            place.file_offset = offset;
+            let (chunk, place, stored) = self.locate(id, index)?;
             out.push(MappedChunk {
                 len: chunk.len as usize,
-                at: Some((first[layer] + file as usize, offset)),
+                at: stored.map(|s| (first[s.layer] + s.file, s.offset)),
                 crc32c: chunk.crc32c,
-                deferred: self.defer_gpu_hashed && chunk.gpu_hash.is_some(),
+                deferred: stored.is_some() && self.defer_gpu_hashed && chunk.gpu_hash.is_some(),
                 place,
             });
         }
@@ -449,6 +433,85 @@ impl ImageReader {
             chunks: out,
             image: self.dir().to_path_buf(),
         })
+    }
+
+    /// Where chunk `index` of allocation `id` is stored: the chunk, its place (for
+    /// errors) and `(layer, data file, offset)` of its stored bytes (`None`: a zero
+    /// chunk), parent references resolved.
+    fn locate(
+        &self,
+        id: AllocId,
+        index: usize,
+    ) -> Result<(&Chunk, ChunkPlace, Option<Stored>), ImageError> {
+        let alloc = self.alloc(id)?;
+        let chunk = alloc.chunks.get(index).ok_or_else(|| {
+            ImageError::Usage(format!("allocation {:#x} has no chunk {index}", alloc.va))
+        })?;
+        let mut place = ChunkPlace {
+            va: alloc.va,
+            pid: alloc.tags.pid,
+            offset: chunk.offset,
+            file: std::path::PathBuf::new(),
+            file_offset: 0,
+        };
+        let (layer, location) = match (chunk.at, chunk.key()) {
+            (Location::Zero, _) => return Ok((chunk, place, None)),
+            (Location::Parent { image }, Some(hash)) => self
+                .layers
+                .iter()
+                .position(|l| l.manifest.id == image)
+                .and_then(|i| self.layers[i].by_hash.get(&hash).map(|s| (i, s.location)))
+                .ok_or_else(|| ImageError::Worker("parent reference not resolved".into()))?,
+            (location, _) => (0, location),
+        };
+        let Location::Data {
+            file,
+            offset,
+            codec,
+            ..
+        } = location
+        else {
+            return Err(ImageError::Worker("chunk location is not data".into()));
+        };
+        let l = &self.layers[layer];
+        place.file = l.dir.join(&l.manifest.files[file as usize].name);
+        place.file_offset = offset;
+        let stored = Stored {
+            layer,
+            file: file as usize,
+            offset,
+            codec,
+        };
+        Ok((chunk, place, Some(stored)))
+    }
+
+    /// For each of `chunks`, where its bytes lie when they are stored raw (uncompressed)
+    /// in a data file of the chain: what another process needs to DMA it from the
+    /// file's pages. `None` for zero and compressed chunks.
+    pub fn raw_places(&self, chunks: &[(AllocId, usize)]) -> Result<Vec<Option<RawPlace>>, ImageError> {
+        let mut first = Vec::with_capacity(self.layers.len());
+        let mut n = 0;
+        for layer in &self.layers {
+            first.push(n);
+            n += layer.files.len();
+        }
+        chunks
+            .iter()
+            .map(|&(id, index)| {
+                let (chunk, _, stored) = self.locate(id, index)?;
+                Ok(stored.filter(|s| s.codec == Codec::Raw).map(|s| RawPlace {
+                    file: first[s.layer] + s.file,
+                    offset: s.offset,
+                    len: chunk.len,
+                    gpu_hashed: chunk.gpu_hash.is_some(),
+                }))
+            })
+            .collect()
+    }
+
+    /// The chain's data files in [`RawPlace::file`] order.
+    pub fn data_files(&self) -> Vec<&std::fs::File> {
+        self.layers.iter().flat_map(|l| l.files.iter()).collect()
     }
 
     /// Reads every chunk of every allocation and checks its CRC32C; returns the summary.

@@ -1,0 +1,309 @@
+//! `gpucr-copyin`: a copy-in helper, started by the hook (see `gpucr_hook::helper`). It
+//! makes its own CUDA context on the hook's device, says Ready, and for each job maps the
+//! hook's allocations (imported memory fds), registers the job's stretches of the image's
+//! data files for DMA on 8 threads and copies each piece as soon as its stretch is
+//! registered. It replies before it unpins (the data is on the GPU by then).
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use gpucr_hook::cuda::CudaDriver;
+use gpucr_hook::driver::{DevicePtr, PhysHandle, VmmDriver};
+use gpucr_hook::helper::{helper_socket, next_job, say, HelperMsg, Job, ENV_DEVICE};
+
+/// Largest stretch registered in one call (as the probes measured).
+const WINDOW: u64 = 512 << 20;
+const PAGE: u64 = 4096;
+const REGISTRARS: usize = 8;
+const STREAMS: usize = 4;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("gpucr-copyin: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let mut sock = helper_socket()?;
+    let t = Instant::now();
+    let driver = match init() {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = say(&mut sock, &HelperMsg::Failed { message: e.clone() });
+            return Err(e);
+        }
+    };
+    say(
+        &mut sock,
+        &HelperMsg::Ready {
+            init_s: t.elapsed().as_secs_f64(),
+        },
+    )?;
+    while let Some((job, memory, files)) = next_job(&mut sock)? {
+        let mut held = Held::default();
+        let msg = match copy(&driver, &job, &memory, &files, &mut held) {
+            Ok(msg) => msg,
+            Err(e) => HelperMsg::Failed { message: e },
+        };
+        say(&mut sock, &msg)?;
+        held.release(&driver);
+    }
+    driver.end_copies();
+    Ok(())
+}
+
+type FnInit = unsafe extern "C" fn(c_uint) -> c_int;
+type FnDeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
+type FnRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
+type FnSetCurrent = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+/// The primary context of device [`ENV_DEVICE`] made current, and the driver over it.
+fn init() -> Result<CudaDriver, String> {
+    let ordinal: c_int = std::env::var(ENV_DEVICE)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    // SAFETY: libcuda's documented entry points with their C signatures; the library
+    // stays loaded for the process's life (leaked).
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1")
+            .map_err(|e| format!("cannot load libcuda.so.1: {e}"))?;
+        let lib: &'static libloading::Library = Box::leak(Box::new(lib));
+        let sym = |name: &str| format!("libcuda has no {name}");
+        let cu_init: libloading::Symbol<FnInit> = lib.get(b"cuInit").map_err(|_| sym("cuInit"))?;
+        let device_get: libloading::Symbol<FnDeviceGet> =
+            lib.get(b"cuDeviceGet").map_err(|_| sym("cuDeviceGet"))?;
+        let retain: libloading::Symbol<FnRetain> = lib
+            .get(b"cuDevicePrimaryCtxRetain")
+            .map_err(|_| sym("cuDevicePrimaryCtxRetain"))?;
+        let set_current: libloading::Symbol<FnSetCurrent> =
+            lib.get(b"cuCtxSetCurrent").map_err(|_| sym("cuCtxSetCurrent"))?;
+        let rc = cu_init(0);
+        if rc != 0 {
+            return Err(format!("cuInit failed: {rc}"));
+        }
+        let mut dev = 0;
+        let rc = device_get(&mut dev, ordinal);
+        if rc != 0 {
+            return Err(format!("cuDeviceGet({ordinal}) failed: {rc}"));
+        }
+        let mut ctx = std::ptr::null_mut();
+        let rc = retain(&mut ctx, dev);
+        if rc != 0 {
+            return Err(format!("cuDevicePrimaryCtxRetain failed: {rc}"));
+        }
+        let rc = set_current(ctx);
+        if rc != 0 {
+            return Err(format!("cuCtxSetCurrent failed: {rc}"));
+        }
+    }
+    CudaDriver::load(Path::new("libcuda.so.1")).map_err(|e| e.to_string())
+}
+
+/// What a job mapped and pinned, given back after the reply.
+#[derive(Default)]
+struct Held {
+    memory: Vec<(DevicePtr, u64, PhysHandle)>,
+    /// Mapped stretches: (address, length, registered).
+    windows: Vec<(usize, usize, bool)>,
+}
+
+impl Held {
+    fn release(self, driver: &CudaDriver) {
+        for &(ptr, len, registered) in &self.windows {
+            if registered {
+                let _ = driver.unregister_host(ptr as *mut u8);
+            }
+            // SAFETY: mapped by `copy` with this length; nothing uses it any more.
+            unsafe { nix::libc::munmap(ptr as *mut c_void, len) };
+        }
+        for &(va, size, handle) in &self.memory {
+            let _ = driver.unmap(va, size);
+            let _ = driver.free_va(va, size);
+            let _ = driver.release(handle);
+        }
+    }
+}
+
+/// A stretch of one data file: `[start, end)`, page aligned, and the pieces in it.
+struct Stretch {
+    file: usize,
+    start: u64,
+    end: u64,
+    pieces: Vec<usize>,
+}
+
+/// The job's pieces grouped into page-aligned stretches of at most [`WINDOW`] bytes
+/// that never share a page (a page registered twice would fail).
+fn stretches(job: &Job, sizes: &[u64]) -> Result<Vec<Stretch>, String> {
+    let mut order: Vec<usize> = (0..job.pieces.len()).collect();
+    order.sort_by_key(|&i| (job.pieces[i].file, job.pieces[i].file_offset));
+    let mut out: Vec<Stretch> = Vec::new();
+    for i in order {
+        let p = &job.pieces[i];
+        let size = *sizes.get(p.file).ok_or("a piece names a file the job lacks")?;
+        if p.file_offset.checked_add(p.len).is_none_or(|e| e > size) {
+            return Err(format!("a piece lies past the end of data file {}", p.file));
+        }
+        let start = p.file_offset / PAGE * PAGE;
+        let end = (p.file_offset + p.len).div_ceil(PAGE) * PAGE;
+        match out.last_mut() {
+            Some(s) if s.file == p.file && start < s.end => {
+                s.end = s.end.max(end);
+                s.pieces.push(i);
+            }
+            Some(s) if s.file == p.file && start == s.end && end - s.start <= WINDOW => {
+                s.end = end;
+                s.pieces.push(i);
+            }
+            _ => out.push(Stretch {
+                file: p.file,
+                start,
+                end,
+                pieces: vec![i],
+            }),
+        }
+    }
+    Ok(out)
+}
+
+fn copy(
+    driver: &CudaDriver,
+    job: &Job,
+    memory: &[OwnedFd],
+    files: &[OwnedFd],
+    held: &mut Held,
+) -> Result<HelperMsg, String> {
+    let t = Instant::now();
+    let mut vas = Vec::with_capacity(memory.len());
+    for (fd, &size) in memory.iter().zip(&job.allocs) {
+        let handle = driver.import(fd.as_fd()).map_err(|e| e.to_string())?;
+        let va = match driver.reserve(size, None) {
+            Ok(va) => va,
+            Err(e) => {
+                let _ = driver.release(handle);
+                return Err(e.to_string());
+            }
+        };
+        if let Err(e) = driver.map(va, size, handle) {
+            let _ = driver.free_va(va, size);
+            let _ = driver.release(handle);
+            return Err(e.to_string());
+        }
+        held.memory.push((va, size, handle));
+        driver.set_access(va, size).map_err(|e| e.to_string())?;
+        vas.push(va);
+    }
+    let sizes: Vec<u64> = files
+        .iter()
+        .map(|f| nix::sys::stat::fstat(f.as_fd()).map(|s| s.st_size as u64))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("fstat of a data file: {e}"))?;
+    let stretches = stretches(job, &sizes)?;
+    for s in &stretches {
+        let len = (s.end - s.start) as usize;
+        // SAFETY: a fresh read-only shared mapping of the file's pages, unmapped by Held.
+        let ptr = unsafe {
+            nix::libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                nix::libc::PROT_READ,
+                nix::libc::MAP_SHARED | nix::libc::MAP_POPULATE,
+                files[s.file].as_raw_fd(),
+                s.start as nix::libc::off_t,
+            )
+        };
+        if ptr == nix::libc::MAP_FAILED {
+            return Err(format!("mmap of data file {}: {}", s.file, std::io::Error::last_os_error()));
+        }
+        held.windows.push((ptr as usize, len, false));
+    }
+    // Registrars pin stretches in order; the copies follow them.
+    let next = AtomicUsize::new(0);
+    let ready: Vec<AtomicBool> = stretches.iter().map(|_| AtomicBool::new(false)).collect();
+    let failed = AtomicBool::new(false);
+    let windows = held.windows.clone();
+    let mut register_s = 0.0;
+    let copied = std::thread::scope(|scope| -> Result<u64, String> {
+        let registrars: Vec<_> = (0..REGISTRARS.min(stretches.len()))
+            .map(|_| {
+                scope.spawn(|| -> Result<(), String> {
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= windows.len() || failed.load(Ordering::Relaxed) {
+                            return Ok(());
+                        }
+                        let (ptr, len, _) = windows[k];
+                        if let Err(e) = driver.register_host_read_only(ptr as *const u8, len) {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err(e.to_string());
+                        }
+                        ready[k].store(true, Ordering::Release);
+                    }
+                })
+            })
+            .collect();
+        let mut bytes = 0;
+        let mut q = 0;
+        let mut result = Ok(());
+        'outer: for (k, s) in stretches.iter().enumerate() {
+            while !ready[k].load(Ordering::Acquire) {
+                if failed.load(Ordering::Relaxed) {
+                    break 'outer;
+                }
+                std::thread::yield_now();
+            }
+            if k + 1 == stretches.len() {
+                register_s = t.elapsed().as_secs_f64();
+            }
+            for &i in &s.pieces {
+                let p = &job.pieces[i];
+                let Some(&va) = vas.get(p.alloc) else {
+                    result = Err("a piece names an allocation the job lacks".to_string());
+                    break 'outer;
+                };
+                if p.alloc_offset.checked_add(p.len).is_none_or(|e| e > job.allocs[p.alloc]) {
+                    result = Err("a piece lies past the end of its allocation".to_string());
+                    break 'outer;
+                }
+                let src = windows[k].0 + (p.file_offset - s.start) as usize;
+                // SAFETY: the mapping stays (registered) until Held releases it, after
+                // every stream was waited for below.
+                let r = unsafe {
+                    driver.copy_from_host_async(va + p.alloc_offset, src as *const u8, p.len as usize, q % STREAMS)
+                };
+                if let Err(e) = r {
+                    result = Err(e.to_string());
+                    break 'outer;
+                }
+                q += 1;
+                bytes += p.len;
+            }
+        }
+        failed.fetch_or(result.is_err(), Ordering::Relaxed);
+        for s in 0..STREAMS {
+            if let Err(e) = driver.wait(s) {
+                result = result.and(Err(e.to_string()));
+            }
+        }
+        for r in registrars {
+            let r = r.join().map_err(|_| "a registrar panicked".to_string())?;
+            result = result.and(r);
+        }
+        result.map(|()| bytes)
+    });
+    // Every stretch that registered is unregistered by Held, also after a failure.
+    for (w, r) in held.windows.iter_mut().zip(&ready) {
+        w.2 = r.load(Ordering::Acquire);
+    }
+    let copied = copied?;
+    Ok(HelperMsg::Done {
+        bytes: copied,
+        seconds: t.elapsed().as_secs_f64(),
+        register_s,
+    })
+}
