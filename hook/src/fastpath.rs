@@ -1664,7 +1664,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     self.let_helpers_go();
                     Shared::default()
                 };
-                let mine: Vec<usize> = (0..work.len()).filter(|i| !shared.taken[*i]).collect();
+                let mine: Vec<usize> = (0..work.len()).filter(|i| shared.taken.get(*i) != Some(&true)).collect();
                 let staged = self.fill(&reader, &work, &targets, &mine, start);
                 // Waited for also when the staging failed: they DMA into our memory.
                 let (reports, failed, reapers) = shared.wait();

@@ -193,8 +193,8 @@ first_file() { local f; for f in "$@"; do [ -f "$f" ] && { echo "$f"; return 0; 
 setup_deps() {
   log "extracting .debs from $CARRY/debs into $TOOLS"
   [ -d "$CARRY/debs" ] || die "$CARRY/debs missing: run tests/gpu/prepare-carry.sh here and carry 'carry'"
-  [ -x "$CARRY/bin/containerd-shim-gpucr-v2" ] || [ -f "$CARRY/bin/containerd-shim-gpucr-v2" ] \
-    || die "$CARRY/bin/containerd-shim-gpucr-v2 missing (prepare-carry.sh)"
+  [ -f "$CARRY/bin/containerd-shim-gpucr-v2" ] || [ -f "$CARRY/bin/containerd-shim-gpucr-v2.xz" ] \
+    || die "$CARRY/bin/containerd-shim-gpucr-v2(.xz) missing (prepare-carry.sh)"
   mkdir -p "$TOOLS" "$BIN" "$TOOLS/criu-plugin" "$LOGS" "$DATA/tmp"
   local f
   for f in "$CARRY"/debs/*.deb; do dpkg -x "$f" "$TOOLS/root"; done
@@ -226,7 +226,12 @@ EOF
   b=$(first_file "$r"/bin/busybox "$r"/usr/bin/busybox)
   [ -n "$b" ] || die "busybox not found in the extracted packages"
   ln -sf "$b" "$BIN/busybox"
-  install -m 0755 "$CARRY/bin/containerd-shim-gpucr-v2" "$BIN/containerd-shim-gpucr-v2"
+  if [ -f "$CARRY/bin/containerd-shim-gpucr-v2.xz" ]; then
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$CARRY/bin/containerd-shim-gpucr-v2.xz" "$BIN/containerd-shim-gpucr-v2" && chmod 0755 "$BIN/containerd-shim-gpucr-v2"
+  else
+    install -m 0755 "$CARRY/bin/containerd-shim-gpucr-v2" "$BIN/containerd-shim-gpucr-v2"
+  fi
   install -m 0644 "$CARRY/bin/libgpucr_criu_plugin.so" "$TOOLS/criu-plugin/libgpucr_criu_plugin.so"
   [ -f "$CARRY/bin/shim-ckpt" ] || die "$CARRY/bin/shim-ckpt missing (prepare-carry.sh)"
   install -m 0755 "$CARRY/bin/shim-ckpt" "$BIN/shim-ckpt"

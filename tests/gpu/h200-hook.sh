@@ -55,6 +55,11 @@ SUM=$OUT/hook-summary.txt
 HOOK=$CARRY/bin/libgpucr_hook.so
 [ -f "$HOOK" ] || { log "FATAL: $HOOK missing"; exit 1; }
 install -m 0755 "$HOOK" "$TOOLS/libgpucr_hook.so"
+# The copy-in helper (used when a setting has GPUCR_HOOK_COPYIN_HELPERS=N).
+if [ -f "$CARRY/bin/gpucr-copyin" ]; then
+  install -m 0755 "$CARRY/bin/gpucr-copyin" "$TOOLS/gpucr-copyin"
+  export GPUCR_HOOK_HELPER=$TOOLS/gpucr-copyin
+fi
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader | tee -a "$SUM"
 # The host's NUMA layout and the GPU's node: where the staging buffers and the image's
@@ -64,7 +69,7 @@ gpu_node=$(cat /sys/bus/pci/devices/0000${gpu_bus#0000}/numa_node 2>/dev/null ||
 {
   echo "cpus $(nproc), numa nodes: $(ls -d /sys/devices/system/node/node* 2>/dev/null | wc -l), gpu $gpu_bus on node $gpu_node"
   for n in /sys/devices/system/node/node*; do
-    [ -d "$n" ] && echo "  $(basename "$n"): cpus $(cat "$n/cpulist") mem $(awk '/MemTotal/ {print int($4/1048576) " GiB"}' "$n/meminfo")"
+    [ -d "$n" ] && echo "  $(basename "$n"): cpus $(cat "$n/cpulist") mem $(awk '/MemTotal/ {print int($(NF-1)/1048576) " GiB"}' "$n/meminfo")"
   done
 } | tee -a "$SUM"
 command -v nvcc >/dev/null || PATH=$PATH:/usr/local/cuda/bin

@@ -307,6 +307,9 @@ def main():
             c["rl"], c["rel"], held, fds = h.release(keep)
             c["q"] = drive(a.drive, "quiesce", proc.pid)
             c["left_ms"] = (time.monotonic() - t0) * 1000
+            # As the shim does before the driver's restore: copy-in helpers (if set up)
+            # make their contexts meanwhile.
+            c["wm"], c["warm"] = h.call("Warm") if not keep else (0.0, {})
             c["r"] = drive(a.drive, "resume", proc.pid)
             if fds:
                 c["kept"] = len(fds)
@@ -386,6 +389,7 @@ def main():
                    image_mib=du(img1) >> 20, peak_rss_growth_mib=peak >> 20,
                    out_profile=rep.get("profile"), in_profile=cin.get("profile"),
                    mapped_reads=cin.get("mapped_reads"),
+                   warm_ms=round(c.get("wm", 0.0), 1), helpers=cin.get("helpers"),
                    copied_mib=rep.get("copied_bytes", 0) >> 20,
                    zero_chunks=rep.get("zero_chunks"), parent_chunks=rep.get("parent_chunks"))
             gh1_check(img1, record)

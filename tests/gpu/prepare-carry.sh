@@ -51,11 +51,14 @@ for p in "${trixie_pkgs[@]}" busybox-static; do
 done
 
 for f in "$target/release/containerd-shim-gpucr-v2" "$target/release/libgpucr_criu_plugin.so" \
-  "$target/release/libgpucr_hook.so" "$target/release/shim-ckpt"; do
+  "$target/release/libgpucr_hook.so" "$target/release/shim-ckpt" "$target/release/gpucr-copyin"; do
   [ -f "$f" ] || { echo "error: $f missing: build with cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload and -p gpucr-tests --bin shim-ckpt" >&2; exit 1; }
   cp "$f" carry/bin/
 done
 strip carry/bin/* 2>/dev/null || true
+# The shim is the largest file; compressed, everything fits the device tool's 64 MiB
+# (h200-e2e.sh unpacks it with python3's lzma).
+xz -T0 -6 -f carry/bin/containerd-shim-gpucr-v2
 
 echo "== carry/"
 ls -l carry/debs carry/bin
