@@ -584,11 +584,11 @@ impl VmmDriver for CudaDriver {
         check(call, unsafe { (self.sync)() })
     }
 
-fn device_ordinal(&self) -> Option<i32> {
+    fn device_ordinal(&self) -> Option<i32> {
         Some(self.device)
     }
 
-        fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
         let Some(f) = self.mem_info else {
             return Ok(None);
         };

@@ -62,6 +62,8 @@ struct State {
     device_hash: bool,
     /// Whether `export` exports (like a driver with exportable memory) or says it cannot.
     no_export: bool,
+    /// What `device_ordinal` says (tests of copy-in helpers set one).
+    device_ordinal: Option<i32>,
     /// Exported memory by its fd's identity (device, inode): the handle it belongs to now.
     exports: HashMap<(u64, u64), PhysHandle>,
     /// Memory whose handle was released while exported, by that old handle.
@@ -160,6 +162,11 @@ impl FakeDriver {
     /// memory), as the real driver does with the hash kernel; off by default.
     pub fn set_device_hash(&self, on: bool) {
         self.lock().device_hash = on;
+    }
+
+    /// Makes `device_ordinal` say `ordinal` (copy-in helpers need one to start).
+    pub fn set_device_ordinal(&self, ordinal: Option<i32>) {
+        self.lock().device_ordinal = ordinal;
     }
 
     /// Makes `export` say it cannot (`Ok(None)`), as a driver without exportable memory.
@@ -284,6 +291,10 @@ fn overlaps<V>(map: &BTreeMap<u64, V>, start: u64, end: u64, size_of: impl Fn(&V
 }
 
 impl VmmDriver for FakeDriver {
+    fn device_ordinal(&self) -> Option<i32> {
+        self.lock().device_ordinal
+    }
+
     fn granularity(&self) -> Result<u64, DriverError> {
         Self::check(&mut self.lock(), DriverCall::Granularity)?;
         Ok(self.granularity)

@@ -345,7 +345,9 @@ impl FastPathOptions {
             snapshot,
             snapshot_headroom: headroom << 20,
             copy_in_helpers,
-            helper_path: get(ENV_HELPER).filter(|v| !v.trim().is_empty()).map(PathBuf::from),
+            helper_path: get(ENV_HELPER)
+                .filter(|v| !v.trim().is_empty())
+                .map(PathBuf::from),
             helper_share,
         })
     }
@@ -1664,7 +1666,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     self.let_helpers_go();
                     Shared::default()
                 };
-                let mine: Vec<usize> = (0..work.len()).filter(|i| shared.taken.get(*i) != Some(&true)).collect();
+                let mine: Vec<usize> = (0..work.len())
+                    .filter(|i| shared.taken.get(*i) != Some(&true))
+                    .collect();
                 let staged = self.fill(&reader, &work, &targets, &mine, start);
                 // Waited for also when the staging failed: they DMA into our memory.
                 let (reports, failed, reapers) = shared.wait();
@@ -1672,7 +1676,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 helpers = reports;
                 let (staging_bytes, profile) = staged?;
                 if !failed.is_empty() {
-                    tracing::warn!(chunks = failed.len(), "a copy-in helper failed; staging its share");
+                    tracing::warn!(
+                        chunks = failed.len(),
+                        "a copy-in helper failed; staging its share"
+                    );
                     self.fill(&reader, &work, &targets, &failed, Instant::now())?;
                 }
                 let bytes = allocs.iter().map(|a| a.size).sum();
@@ -1732,7 +1739,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     /// Lets any helpers go unused (reaped in the background, joined at the next freeze).
     fn let_helpers_go(&self) {
         if let Some(h) = lock(&self.helpers).take() {
-            lock(&self.reapers).extend(h.finish());
+            lock(&self.reapers).extend(h.stop());
         }
     }
 
@@ -1758,7 +1765,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let ready = if reader.direct_refusal().is_none() {
             helpers.ready_now(&mut reapers)
         } else {
-            reapers.extend(helpers.finish());
+            reapers.extend(helpers.stop());
             Vec::new()
         };
         lock(&self.reapers).extend(reapers);
@@ -1769,7 +1776,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(error = %e, "copy-in helpers not used");
-                lock(&self.reapers).extend(ready.into_iter().map(Helper::finish));
+                lock(&self.reapers).extend(ready.into_iter().map(Helper::stop));
                 return shared;
             }
         };
@@ -1783,7 +1790,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             plan.iter().enumerate().map(|(i, id)| (id.0, i)).collect();
         let mut ready = ready.into_iter();
         for group in groups {
-            let Some(mut helper) = ready.next() else { break };
+            let Some(mut helper) = ready.next() else {
+                break;
+            };
             let mut job = Job {
                 allocs: Vec::new(),
                 files: files.len(),
@@ -1824,12 +1833,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 });
             }
             if !ok {
-                lock(&self.reapers).push(helper.finish());
+                lock(&self.reapers).push(helper.stop());
                 continue;
             }
             if let Err(e) = helper.send(&job, &fds, &files) {
                 tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
-                lock(&self.reapers).push(helper.finish());
+                lock(&self.reapers).push(helper.stop());
                 continue;
             }
             for &i in &group {
@@ -1838,7 +1847,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             let bytes = group.iter().map(|&i| lens[i]).sum();
             shared.running.push((helper, group, bytes));
         }
-        lock(&self.reapers).extend(ready.map(Helper::finish));
+        lock(&self.reapers).extend(ready.map(Helper::stop));
         shared
     }
 
@@ -2214,7 +2223,13 @@ struct Shared {
 impl Shared {
     /// Waits for every helper's reply: their reports, the work items of those that
     /// failed (to be staged), and the helpers' reapers.
-    fn wait(self) -> (Vec<HelperReport>, Vec<usize>, Vec<std::thread::JoinHandle<()>>) {
+    fn wait(
+        self,
+    ) -> (
+        Vec<HelperReport>,
+        Vec<usize>,
+        Vec<std::thread::JoinHandle<()>>,
+    ) {
         let mut reports = Vec::new();
         let mut failed = Vec::new();
         let mut reapers = Vec::new();

@@ -1835,3 +1835,109 @@ fn an_incremental_copy_out_takes_the_parents_chunk_size() {
     assert!(out.parent_chunks > 0, "{out:?}");
     round_trip(&s, &delta, &expected);
 }
+
+/// Copy-in helpers that do not work out lose nothing: one that never says Ready is
+/// stopped unused, one that fails its job has its share staged after the others, the
+/// memory comes back exact, and the next freeze finds every helper reaped.
+#[test]
+fn copy_in_helpers_that_fail_leave_their_share_to_the_staged_copy() {
+    let Some(root) = tmpfs_dir() else { return };
+    let bin = tempfile::tempdir().unwrap();
+    let pids = bin.path().join("pids");
+    // A helper speaks length-prefixed JSON frames on the fd it is given.
+    let ready = r#"{"reply":"Ready","init_s":0.1}"#;
+    let failed = r#"{"reply":"Failed","message":"test helper fails"}"#;
+    let script = |name: &str, body: &str| {
+        let path = bin.path().join(name);
+        std::fs::write(
+            &path,
+            format!("#!/bin/bash\necho $$ >> {}\n{body}\n", pids.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        path
+    };
+    let frame = |json: &str| {
+        format!(
+            "printf '\\0\\0\\0\\{:03o}%s' '{json}' >&$GPUCR_COPYIN_SOCKET_FD",
+            json.len()
+        )
+    };
+    let failing = script(
+        "failing",
+        &format!("{}\n{}\nexec sleep 30", frame(ready), frame(failed)),
+    );
+    let never = script("never", "exec sleep 30");
+
+    for (helper, n, want_reports) in [(failing, 2, 2), (never, 1, 0)] {
+        let s = with_device_hash(FastPathOptions {
+            copy_in_helpers: n,
+            helper_path: Some(helper.clone()),
+            helper_share: 0.5,
+            ..pipelined()
+        });
+        s.driver.set_device_ordinal(Some(0));
+        let expected = populate_hashable(&s);
+        s.fast.freeze().unwrap();
+        let image = root.path().join(format!("img-{n}"));
+        s.fast.copy_out(&image, None).unwrap();
+        s.fast.release(false).unwrap();
+        assert_eq!(s.fast.warm().unwrap().helpers, n);
+        // Warm again: the same helpers.
+        assert_eq!(s.fast.warm().unwrap().helpers, n);
+        std::thread::sleep(Duration::from_millis(300));
+        s.fast.remap().unwrap();
+        let report = s.fast.copy_in(&image).unwrap();
+        assert_eq!(report.helpers.len(), want_reports, "{helper:?}");
+        for h in &report.helpers {
+            assert_eq!(h.error.as_deref(), Some("test helper fails"));
+            assert!(h.bytes > 0);
+        }
+        s.fast.thaw().unwrap();
+        check_memory(&s.driver, &s.allocator, &expected);
+        // Every helper is gone once the next freeze returns.
+        s.fast.freeze().unwrap();
+        for pid in std::fs::read_to_string(&pids).unwrap().lines() {
+            let pid = nix::unistd::Pid::from_raw(pid.trim().parse().unwrap());
+            assert_eq!(
+                nix::sys::signal::kill(pid, None),
+                Err(nix::errno::Errno::ESRCH),
+                "helper {pid} still there"
+            );
+        }
+        s.fast.thaw().unwrap();
+        std::fs::remove_file(&pids).unwrap();
+    }
+}
+
+/// Without a helper binary, or one that cannot start, Warm starts none and the copy-in
+/// stages everything.
+#[test]
+fn warm_without_a_usable_helper_starts_none() {
+    let Some(root) = tmpfs_dir() else { return };
+    for (path, ordinal) in [
+        (None, Some(0)),
+        (Some(PathBuf::from("/nonexistent/gpucr-copyin")), Some(0)),
+        (Some(PathBuf::from("/bin/true")), None),
+    ] {
+        let s = with_device_hash(FastPathOptions {
+            copy_in_helpers: 2,
+            helper_path: path.clone(),
+            ..pipelined()
+        });
+        s.driver.set_device_ordinal(ordinal);
+        let expected = populate_hashable(&s);
+        s.fast.freeze().unwrap();
+        let image = root.path().join("img");
+        s.fast.copy_out(&image, None).unwrap();
+        s.fast.release(false).unwrap();
+        assert_eq!(s.fast.warm().unwrap().helpers, 0, "{path:?}");
+        s.fast.remap().unwrap();
+        let report = s.fast.copy_in(&image).unwrap();
+        assert!(report.helpers.is_empty());
+        s.fast.thaw().unwrap();
+        check_memory(&s.driver, &s.allocator, &expected);
+        std::fs::remove_dir_all(&image).unwrap();
+    }
+}

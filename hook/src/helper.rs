@@ -118,6 +118,56 @@ pub fn split(places: &[Option<RawPlace>], lens: &[u64], share: f64, n: usize) ->
     out
 }
 
+/// Largest stretch a helper registers in one call (as the probes measured).
+pub const WINDOW: u64 = 512 << 20;
+const PAGE: u64 = 4096;
+
+/// A stretch of one data file: `[start, end)`, page aligned, and the pieces in it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Stretch {
+    pub file: usize,
+    pub start: u64,
+    pub end: u64,
+    /// Indices into the job's pieces.
+    pub pieces: Vec<usize>,
+}
+
+/// The job's pieces (in data files of `sizes` bytes) grouped into page-aligned stretches of at most [`WINDOW`] bytes
+/// that never share a page (a page registered twice would fail).
+pub fn stretches(job: &Job, sizes: &[u64]) -> Result<Vec<Stretch>, String> {
+    let mut order: Vec<usize> = (0..job.pieces.len()).collect();
+    order.sort_by_key(|&i| (job.pieces[i].file, job.pieces[i].file_offset));
+    let mut out: Vec<Stretch> = Vec::new();
+    for i in order {
+        let p = &job.pieces[i];
+        let size = *sizes
+            .get(p.file)
+            .ok_or("a piece names a file the job lacks")?;
+        if p.file_offset.checked_add(p.len).is_none_or(|e| e > size) {
+            return Err(format!("a piece lies past the end of data file {}", p.file));
+        }
+        let start = p.file_offset / PAGE * PAGE;
+        let end = (p.file_offset + p.len).div_ceil(PAGE) * PAGE;
+        match out.last_mut() {
+            Some(s) if s.file == p.file && start < s.end => {
+                s.end = s.end.max(end);
+                s.pieces.push(i);
+            }
+            Some(s) if s.file == p.file && start == s.end && end - s.start <= WINDOW => {
+                s.end = end;
+                s.pieces.push(i);
+            }
+            _ => out.push(Stretch {
+                file: p.file,
+                start,
+                end,
+                pieces: vec![i],
+            }),
+        }
+    }
+    Ok(out)
+}
+
 /// Helpers spawned for one copy-in.
 pub struct Helpers {
     list: Vec<Helper>,
@@ -152,7 +202,10 @@ impl Helpers {
             unsafe {
                 cmd.pre_exec(move || {
                     let flags = nix::libc::fcntl(fd, nix::libc::F_GETFD);
-                    if flags < 0 || nix::libc::fcntl(fd, nix::libc::F_SETFD, flags & !nix::libc::FD_CLOEXEC) < 0 {
+                    if flags < 0
+                        || nix::libc::fcntl(fd, nix::libc::F_SETFD, flags & !nix::libc::FD_CLOEXEC)
+                            < 0
+                    {
                         return Err(std::io::Error::last_os_error());
                     }
                     Ok(())
@@ -198,29 +251,31 @@ impl Helpers {
                     ready.push(h);
                     continue;
                 }
-                Ok(false) => tracing::info!(
-                    pid = h.pid(),
-                    "copy-in helper not ready in time; not used"
-                ),
+                Ok(false) => {
+                    tracing::info!(pid = h.pid(), "copy-in helper not ready in time; not used")
+                }
                 Err(e) => {
                     tracing::warn!(pid = h.pid(), error = %e, "copy-in helper failed to start")
                 }
             }
-            reapers.push(h.finish());
+            reapers.push(h.stop());
         }
         ready
     }
 
-    /// Lets every helper go (see [`Helper::finish`]).
-    pub fn finish(self) -> Vec<std::thread::JoinHandle<()>> {
-        self.list.into_iter().map(Helper::finish).collect()
+    /// Stops every helper (see [`Helper::stop`]).
+    pub fn stop(self) -> Vec<std::thread::JoinHandle<()>> {
+        self.list.into_iter().map(Helper::stop).collect()
     }
 }
 
 impl Helper {
     /// Whether the Ready message is there (non-blocking).
     fn poll_ready(&mut self) -> Result<bool, String> {
-        let mut pfd = [nix::poll::PollFd::new(self.sock.as_fd(), nix::poll::PollFlags::POLLIN)];
+        let mut pfd = [nix::poll::PollFd::new(
+            self.sock.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
         let n = nix::poll::poll(&mut pfd, nix::poll::PollTimeout::ZERO)
             .map_err(|e| format!("poll: {e}"))?;
         if n == 0 {
@@ -246,7 +301,12 @@ impl Helper {
     }
 
     /// Sends `job` with its memory fds and data file fds.
-    pub fn send(&mut self, job: &Job, memory: &[OwnedFd], files: &[impl AsFd]) -> Result<(), String> {
+    pub fn send(
+        &mut self,
+        job: &Job,
+        memory: &[OwnedFd],
+        files: &[impl AsFd],
+    ) -> Result<(), String> {
         write_frame(&mut self.sock, job, MAX_FRAME).map_err(|e| format!("sending the job: {e}"))?;
         self.sock.flush().map_err(|e| e.to_string())?;
         send_fd_batches(&self.sock, memory).map_err(|e| format!("sending memory fds: {e}"))?;
@@ -275,12 +335,22 @@ impl Helper {
     /// Lets the helper go: its socket closes (it unpins, unmaps and exits) and a
     /// thread reaps it, killing it if it has not exited within a few seconds. Join
     /// the handle before anything could dump the process tree (the next freeze).
-    pub fn finish(mut self) -> std::thread::JoinHandle<()> {
+    pub fn finish(self) -> std::thread::JoinHandle<()> {
+        self.let_go(Duration::from_secs(5))
+    }
+
+    /// Stops an unused helper now (it may still be making its context) and reaps it
+    /// in a thread.
+    pub fn stop(self) -> std::thread::JoinHandle<()> {
+        self.let_go(Duration::ZERO)
+    }
+
+    fn let_go(mut self, grace: Duration) -> std::thread::JoinHandle<()> {
         let child = self.child.take();
         drop(self);
         std::thread::spawn(move || {
             let Some(mut child) = child else { return };
-            let deadline = Instant::now() + Duration::from_secs(5);
+            let deadline = Instant::now() + grace;
             loop {
                 match child.try_wait() {
                     Ok(Some(_)) => return,
@@ -312,7 +382,9 @@ pub fn helper_socket() -> Result<UnixStream, String> {
     let fd: i32 = std::env::var(ENV_SOCKET_FD)
         .ok()
         .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("{ENV_SOCKET_FD} is not set: gpucr-copyin is started by the hook"))?;
+        .ok_or_else(|| {
+            format!("{ENV_SOCKET_FD} is not set: gpucr-copyin is started by the hook")
+        })?;
     // SAFETY: the hook passed this fd to us for this purpose; nothing else owns it.
     let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
     Ok(UnixStream::from(owned))
@@ -324,8 +396,13 @@ pub fn say(sock: &mut UnixStream, msg: &HelperMsg) -> Result<(), String> {
     sock.flush().map_err(|e| e.to_string())
 }
 
+/// A job with its memory fds and data file fds.
+pub type Received = (Job, Vec<OwnedFd>, Vec<OwnedFd>);
+
 /// Receives one job with its fds (the helper's side); `None` when the hook closed.
-pub fn next_job(sock: &mut UnixStream) -> Result<Option<(Job, Vec<OwnedFd>, Vec<OwnedFd>)>, String> {
+pub fn next_job(
+    sock: &mut UnixStream,
+) -> Result<Option<Received>, String> {
     let buf = match read_frame(sock, MAX_FRAME) {
         Ok(buf) => buf,
         // Closed before a frame: no more jobs.
@@ -336,4 +413,126 @@ pub fn next_job(sock: &mut UnixStream) -> Result<Option<(Job, Vec<OwnedFd>, Vec<
     let memory = recv_fd_batches(sock, job.allocs.len()).map_err(|e| e.to_string())?;
     let files = recv_fd_batches(sock, job.files).map_err(|e| e.to_string())?;
     Ok(Some((job, memory, files)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(file: usize, offset: u64, len: u64) -> Option<RawPlace> {
+        Some(RawPlace {
+            file,
+            offset,
+            len,
+            gpu_hashed: true,
+        })
+    }
+
+    #[test]
+    fn split_takes_the_last_hashed_raw_chunks_in_file_order() {
+        // Work items out of file order; one zero chunk, one compressed (None) and one
+        // raw chunk without a gh1 digest never go to a helper.
+        let mut places = vec![
+            raw(0, 300, 100),
+            None,
+            raw(0, 0, 100),
+            raw(1, 0, 100),
+            raw(0, 100, 100),
+            raw(0, 200, 100),
+        ];
+        places.push(Some(RawPlace {
+            gpu_hashed: false,
+            ..raw(1, 100, 100).unwrap()
+        }));
+        let lens = vec![100; places.len()];
+        // 700 bytes in all; 40% = 280: the last three hashed chunks in file order.
+        assert_eq!(split(&places, &lens, 0.4, 1), vec![vec![5, 0, 3]]);
+        // Two helpers: runs of about equal bytes, each in file order.
+        assert_eq!(split(&places, &lens, 0.4, 2), vec![vec![5, 0], vec![3]]);
+        // More helpers than chunks: empty lists are dropped.
+        assert_eq!(split(&places, &lens, 0.2, 4), vec![vec![0], vec![3]]);
+        assert!(split(&places, &lens, 0.0, 2).is_empty());
+        assert!(split(&places, &lens, 0.4, 0).is_empty());
+        // Everything hashed and raw at 100%.
+        let all = split(&places, &lens, 1.0, 1);
+        assert_eq!(all, vec![vec![2, 4, 5, 0, 3]]);
+    }
+
+    fn piece(file: usize, file_offset: u64, len: u64) -> Piece {
+        Piece {
+            alloc: 0,
+            alloc_offset: 0,
+            file,
+            file_offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn stretches_are_page_aligned_capped_and_never_share_a_page() {
+        let mib = 1 << 20;
+        let job = Job {
+            allocs: vec![1 << 40],
+            files: 2,
+            pieces: vec![
+                piece(0, 16 * mib, 16 * mib),
+                piece(0, 0, 16 * mib),
+                // Touches the page the previous piece ends in: the same stretch.
+                piece(0, 32 * mib + 100, 50),
+                // A gap of whole pages: a new stretch.
+                piece(0, 64 * mib, 4096),
+                piece(1, 10, 20),
+            ],
+        };
+        let sizes = [1 << 30, 4096];
+        let s = stretches(&job, &sizes).unwrap();
+        let got: Vec<_> = s
+            .iter()
+            .map(|s| (s.file, s.start, s.end, s.pieces.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, 0, 32 * mib + 4096, vec![1, 0, 2]),
+                (0, 64 * mib, 64 * mib + 4096, vec![3]),
+                (1, 0, 4096, vec![4]),
+            ]
+        );
+        // Adjacent pieces beyond WINDOW start a new stretch.
+        let many = Job {
+            pieces: (0..40).map(|i| piece(0, i * 16 * mib, 16 * mib)).collect(),
+            ..job.clone()
+        };
+        let s = stretches(&many, &sizes).unwrap();
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].end - s[0].start, WINDOW);
+        assert!(s.iter().all(|s| s.start % 4096 == 0 && s.end % 4096 == 0));
+        // A piece past its file's end, or naming a missing file, is refused.
+        let past = Job {
+            pieces: vec![piece(1, 4000, 200)],
+            ..job.clone()
+        };
+        assert!(stretches(&past, &sizes)
+            .unwrap_err()
+            .contains("past the end"));
+        let missing = Job {
+            pieces: vec![piece(2, 0, 1)],
+            ..job
+        };
+        assert!(stretches(&missing, &sizes).is_err());
+    }
+
+    #[test]
+    fn jobs_and_replies_round_trip() {
+        let job = Job {
+            allocs: vec![2 << 20],
+            files: 1,
+            pieces: vec![piece(0, 0, 10)],
+        };
+        let back: Job = serde_json::from_str(&serde_json::to_string(&job).unwrap()).unwrap();
+        assert_eq!(back, job);
+        let ready: HelperMsg = serde_json::from_str(r#"{"reply":"Ready","init_s":0.5}"#).unwrap();
+        assert_eq!(ready, HelperMsg::Ready { init_s: 0.5 });
+        assert!(serde_json::from_str::<HelperMsg>(r#"{"reply":"Done"}"#).is_err());
+    }
 }

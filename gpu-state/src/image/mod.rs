@@ -52,9 +52,7 @@ pub use manifest::{
     GpuHash, ImageId, Location, Manifest, ParentRef, FORMAT_NAME, FORMAT_VERSION,
     FORMAT_VERSION_BLAKE3_ONLY, MANIFEST_FILE, MANIFEST_SUM_FILE, MAX_CHUNK_SIZE,
 };
-pub use reader::{
-    AllocationReader, ImageReader, MappedChunk, MappedImage, MappedRegion, RawPlace,
-};
+pub use reader::{AllocationReader, ImageReader, MappedChunk, MappedImage, MappedRegion, RawPlace};
 pub use sink::AllocationSink;
 pub use staging::{StagingBuf, StagingPin, StagingPool};
 pub use summary::Summary;

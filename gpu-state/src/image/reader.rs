@@ -11,7 +11,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use super::direct::{is_tmpfs, ReadMap};
 use super::error::{ChunkPlace, ImageError};
 use super::layer::{chain_hashes, open_chain, Layer, ParentChunk};
-use super::manifest::{Allocation, Chunk, ChunkKey, Codec, ContentHash, ImageId, Location, Manifest};
+use super::manifest::{
+    Allocation, Chunk, ChunkKey, Codec, ContentHash, ImageId, Location, Manifest,
+};
 use super::staging::{StagingBuf, StagingPool};
 use super::summary::Summary;
 use super::writer::NoDirect;
@@ -488,7 +490,10 @@ impl ImageReader {
     /// For each of `chunks`, where its bytes lie when they are stored raw (uncompressed)
     /// in a data file of the chain: what another process needs to DMA it from the
     /// file's pages. `None` for zero and compressed chunks.
-    pub fn raw_places(&self, chunks: &[(AllocId, usize)]) -> Result<Vec<Option<RawPlace>>, ImageError> {
+    pub fn raw_places(
+        &self,
+        chunks: &[(AllocId, usize)],
+    ) -> Result<Vec<Option<RawPlace>>, ImageError> {
         let mut first = Vec::with_capacity(self.layers.len());
         let mut n = 0;
         for layer in &self.layers {

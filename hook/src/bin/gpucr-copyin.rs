@@ -12,11 +12,8 @@ use std::time::Instant;
 
 use gpucr_hook::cuda::CudaDriver;
 use gpucr_hook::driver::{DevicePtr, PhysHandle, VmmDriver};
-use gpucr_hook::helper::{helper_socket, next_job, say, HelperMsg, Job, ENV_DEVICE};
+use gpucr_hook::helper::{helper_socket, next_job, say, stretches, HelperMsg, Job, ENV_DEVICE};
 
-/// Largest stretch registered in one call (as the probes measured).
-const WINDOW: u64 = 512 << 20;
-const PAGE: u64 = 4096;
 const REGISTRARS: usize = 8;
 const STREAMS: usize = 4;
 
@@ -80,8 +77,9 @@ fn init() -> Result<CudaDriver, String> {
         let retain: libloading::Symbol<FnRetain> = lib
             .get(b"cuDevicePrimaryCtxRetain")
             .map_err(|_| sym("cuDevicePrimaryCtxRetain"))?;
-        let set_current: libloading::Symbol<FnSetCurrent> =
-            lib.get(b"cuCtxSetCurrent").map_err(|_| sym("cuCtxSetCurrent"))?;
+        let set_current: libloading::Symbol<FnSetCurrent> = lib
+            .get(b"cuCtxSetCurrent")
+            .map_err(|_| sym("cuCtxSetCurrent"))?;
         let rc = cu_init(0);
         if rc != 0 {
             return Err(format!("cuInit failed: {rc}"));
@@ -127,48 +125,6 @@ impl Held {
             let _ = driver.release(handle);
         }
     }
-}
-
-/// A stretch of one data file: `[start, end)`, page aligned, and the pieces in it.
-struct Stretch {
-    file: usize,
-    start: u64,
-    end: u64,
-    pieces: Vec<usize>,
-}
-
-/// The job's pieces grouped into page-aligned stretches of at most [`WINDOW`] bytes
-/// that never share a page (a page registered twice would fail).
-fn stretches(job: &Job, sizes: &[u64]) -> Result<Vec<Stretch>, String> {
-    let mut order: Vec<usize> = (0..job.pieces.len()).collect();
-    order.sort_by_key(|&i| (job.pieces[i].file, job.pieces[i].file_offset));
-    let mut out: Vec<Stretch> = Vec::new();
-    for i in order {
-        let p = &job.pieces[i];
-        let size = *sizes.get(p.file).ok_or("a piece names a file the job lacks")?;
-        if p.file_offset.checked_add(p.len).is_none_or(|e| e > size) {
-            return Err(format!("a piece lies past the end of data file {}", p.file));
-        }
-        let start = p.file_offset / PAGE * PAGE;
-        let end = (p.file_offset + p.len).div_ceil(PAGE) * PAGE;
-        match out.last_mut() {
-            Some(s) if s.file == p.file && start < s.end => {
-                s.end = s.end.max(end);
-                s.pieces.push(i);
-            }
-            Some(s) if s.file == p.file && start == s.end && end - s.start <= WINDOW => {
-                s.end = end;
-                s.pieces.push(i);
-            }
-            _ => out.push(Stretch {
-                file: p.file,
-                start,
-                end,
-                pieces: vec![i],
-            }),
-        }
-    }
-    Ok(out)
 }
 
 fn copy(
@@ -218,7 +174,11 @@ fn copy(
             )
         };
         if ptr == nix::libc::MAP_FAILED {
-            return Err(format!("mmap of data file {}: {}", s.file, std::io::Error::last_os_error()));
+            return Err(format!(
+                "mmap of data file {}: {}",
+                s.file,
+                std::io::Error::last_os_error()
+            ));
         }
         held.windows.push((ptr as usize, len, false));
     }
@@ -266,7 +226,10 @@ fn copy(
                     result = Err("a piece names an allocation the job lacks".to_string());
                     break 'outer;
                 };
-                if p.alloc_offset.checked_add(p.len).is_none_or(|e| e > job.allocs[p.alloc]) {
+                if p.alloc_offset
+                    .checked_add(p.len)
+                    .is_none_or(|e| e > job.allocs[p.alloc])
+                {
                     result = Err("a piece lies past the end of its allocation".to_string());
                     break 'outer;
                 }
@@ -274,7 +237,12 @@ fn copy(
                 // SAFETY: the mapping stays (registered) until Held releases it, after
                 // every stream was waited for below.
                 let r = unsafe {
-                    driver.copy_from_host_async(va + p.alloc_offset, src as *const u8, p.len as usize, q % STREAMS)
+                    driver.copy_from_host_async(
+                        va + p.alloc_offset,
+                        src as *const u8,
+                        p.len as usize,
+                        q % STREAMS,
+                    )
                 };
                 if let Err(e) = r {
                     result = Err(e.to_string());
