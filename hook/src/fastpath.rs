@@ -2241,8 +2241,9 @@ impl Shared {
                 ..HelperReport::default()
             };
             match helper.wait_done() {
-                Ok((_, seconds, register_s)) => {
+                Ok((seconds, setup_s, register_s)) => {
                     report.seconds = seconds;
+                    report.setup_s = setup_s;
                     report.register_s = register_s;
                     reapers.push(helper.finish());
                 }

@@ -76,6 +76,9 @@ pub enum HelperMsg {
     Done {
         bytes: u64,
         seconds: f64,
+        /// Importing and mapping the memory.
+        #[serde(default)]
+        setup_s: f64,
         register_s: f64,
     },
     /// Nothing can be assumed about its pieces.
@@ -314,17 +317,18 @@ impl Helper {
         Ok(())
     }
 
-    /// Waits for the job's outcome: `(bytes, seconds, register_s)`.
-    pub fn wait_done(&mut self) -> Result<(u64, f64, f64), String> {
+    /// Waits for the job's outcome: `(seconds, setup_s, register_s)`.
+    pub fn wait_done(&mut self) -> Result<(f64, f64, f64), String> {
         self.sock
             .set_read_timeout(Some(JOB_DEADLINE))
             .map_err(|e| e.to_string())?;
         match self.recv()? {
             HelperMsg::Done {
-                bytes,
                 seconds,
+                setup_s,
                 register_s,
-            } => Ok((bytes, seconds, register_s)),
+                ..
+            } => Ok((seconds, setup_s, register_s)),
             HelperMsg::Failed { message } => Err(message),
             other => Err(format!("unexpected {other:?}")),
         }
@@ -400,9 +404,7 @@ pub fn say(sock: &mut UnixStream, msg: &HelperMsg) -> Result<(), String> {
 pub type Received = (Job, Vec<OwnedFd>, Vec<OwnedFd>);
 
 /// Receives one job with its fds (the helper's side); `None` when the hook closed.
-pub fn next_job(
-    sock: &mut UnixStream,
-) -> Result<Option<Received>, String> {
+pub fn next_job(sock: &mut UnixStream) -> Result<Option<Received>, String> {
     let buf = match read_frame(sock, MAX_FRAME) {
         Ok(buf) => buf,
         // Closed before a frame: no more jobs.

@@ -329,6 +329,9 @@ pub struct HelperReport {
     pub seconds: f64,
     /// Its context's start-up, from its spawn.
     pub init_s: f64,
+    /// From its job until the memory was imported and mapped.
+    #[serde(default)]
+    pub setup_s: f64,
     /// From its job until its last stretch was pinned.
     pub register_s: f64,
     /// Why it failed (its share was staged after the others).

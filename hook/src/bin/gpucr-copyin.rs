@@ -16,6 +16,8 @@ use gpucr_hook::helper::{helper_socket, next_job, say, stretches, HelperMsg, Job
 
 const REGISTRARS: usize = 8;
 const STREAMS: usize = 4;
+/// Largest single copy of pieces that follow each other.
+const MAX_COPY: u64 = 256 << 20;
 
 fn main() {
     if let Err(e) = run() {
@@ -160,33 +162,12 @@ fn copy(
         .collect::<Result<_, _>>()
         .map_err(|e| format!("fstat of a data file: {e}"))?;
     let stretches = stretches(job, &sizes)?;
-    for s in &stretches {
-        let len = (s.end - s.start) as usize;
-        // SAFETY: a fresh read-only shared mapping of the file's pages, unmapped by Held.
-        let ptr = unsafe {
-            nix::libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                nix::libc::PROT_READ,
-                nix::libc::MAP_SHARED | nix::libc::MAP_POPULATE,
-                files[s.file].as_raw_fd(),
-                s.start as nix::libc::off_t,
-            )
-        };
-        if ptr == nix::libc::MAP_FAILED {
-            return Err(format!(
-                "mmap of data file {}: {}",
-                s.file,
-                std::io::Error::last_os_error()
-            ));
-        }
-        held.windows.push((ptr as usize, len, false));
-    }
-    // Registrars pin stretches in order; the copies follow them.
+    let setup_s = t.elapsed().as_secs_f64();
+    // Registrars map (populated) and pin stretches in order; the copies follow them.
     let next = AtomicUsize::new(0);
+    let ptrs: Vec<AtomicUsize> = stretches.iter().map(|_| AtomicUsize::new(0)).collect();
     let ready: Vec<AtomicBool> = stretches.iter().map(|_| AtomicBool::new(false)).collect();
     let failed = AtomicBool::new(false);
-    let windows = held.windows.clone();
     let mut register_s = 0.0;
     let copied = std::thread::scope(|scope| -> Result<u64, String> {
         let registrars: Vec<_> = (0..REGISTRARS.min(stretches.len()))
@@ -194,10 +175,32 @@ fn copy(
                 scope.spawn(|| -> Result<(), String> {
                     loop {
                         let k = next.fetch_add(1, Ordering::Relaxed);
-                        if k >= windows.len() || failed.load(Ordering::Relaxed) {
+                        if k >= stretches.len() || failed.load(Ordering::Relaxed) {
                             return Ok(());
                         }
-                        let (ptr, len, _) = windows[k];
+                        let s = &stretches[k];
+                        let len = (s.end - s.start) as usize;
+                        // SAFETY: a fresh read-only shared mapping of the file's pages,
+                        // unmapped by Held.
+                        let ptr = unsafe {
+                            nix::libc::mmap(
+                                std::ptr::null_mut(),
+                                len,
+                                nix::libc::PROT_READ,
+                                nix::libc::MAP_SHARED | nix::libc::MAP_POPULATE,
+                                files[s.file].as_raw_fd(),
+                                s.start as nix::libc::off_t,
+                            )
+                        };
+                        if ptr == nix::libc::MAP_FAILED {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err(format!(
+                                "mmap of data file {}: {}",
+                                s.file,
+                                std::io::Error::last_os_error()
+                            ));
+                        }
+                        ptrs[k].store(ptr as usize, Ordering::Release);
                         if let Err(e) = driver.register_host_read_only(ptr as *const u8, len) {
                             failed.store(true, Ordering::Relaxed);
                             return Err(e.to_string());
@@ -220,12 +223,33 @@ fn copy(
             if k + 1 == stretches.len() {
                 register_s = t.elapsed().as_secs_f64();
             }
+            // Pieces that follow each other in the file and in one allocation go as one
+            // copy.
+            let base = ptrs[k].load(Ordering::Acquire);
+            let mut run: Option<(usize, u64, u64, u64)> = None; // alloc, alloc off, file off, len
+            let issue = |run: (usize, u64, u64, u64), q: &mut usize| -> Result<(), String> {
+                let (a, alloc_offset, file_offset, len) = run;
+                let src = base + (file_offset - s.start) as usize;
+                // SAFETY: the mapping stays (registered) until Held releases it, after
+                // every stream was waited for below.
+                unsafe {
+                    driver.copy_from_host_async(
+                        vas[a] + alloc_offset,
+                        src as *const u8,
+                        len as usize,
+                        *q % STREAMS,
+                    )
+                }
+                .map_err(|e| e.to_string())?;
+                *q += 1;
+                Ok(())
+            };
             for &i in &s.pieces {
                 let p = &job.pieces[i];
-                let Some(&va) = vas.get(p.alloc) else {
+                if vas.get(p.alloc).is_none() {
                     result = Err("a piece names an allocation the job lacks".to_string());
                     break 'outer;
-                };
+                }
                 if p.alloc_offset
                     .checked_add(p.len)
                     .is_none_or(|e| e > job.allocs[p.alloc])
@@ -233,23 +257,33 @@ fn copy(
                     result = Err("a piece lies past the end of its allocation".to_string());
                     break 'outer;
                 }
-                let src = windows[k].0 + (p.file_offset - s.start) as usize;
-                // SAFETY: the mapping stays (registered) until Held releases it, after
-                // every stream was waited for below.
-                let r = unsafe {
-                    driver.copy_from_host_async(
-                        va + p.alloc_offset,
-                        src as *const u8,
-                        p.len as usize,
-                        q % STREAMS,
-                    )
-                };
-                if let Err(e) = r {
-                    result = Err(e.to_string());
+                bytes += p.len;
+                match run.as_mut() {
+                    Some((a, ao, fo, len))
+                        if *a == p.alloc
+                            && *ao + *len == p.alloc_offset
+                            && *fo + *len == p.file_offset
+                            && *len + p.len <= MAX_COPY =>
+                    {
+                        *len += p.len
+                    }
+                    _ => {
+                        if let Some(r) =
+                            run.replace((p.alloc, p.alloc_offset, p.file_offset, p.len))
+                        {
+                            if let Err(e) = issue(r, &mut q) {
+                                result = Err(e);
+                                break 'outer;
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(r) = run {
+                if let Err(e) = issue(r, &mut q) {
+                    result = Err(e);
                     break 'outer;
                 }
-                q += 1;
-                bytes += p.len;
             }
         }
         failed.fetch_or(result.is_err(), Ordering::Relaxed);
@@ -264,14 +298,20 @@ fn copy(
         }
         result.map(|()| bytes)
     });
-    // Every stretch that registered is unregistered by Held, also after a failure.
-    for (w, r) in held.windows.iter_mut().zip(&ready) {
-        w.2 = r.load(Ordering::Acquire);
+    // Every stretch mapped is unmapped by Held (and unpinned if pinned), also after a
+    // failure.
+    for ((s, p), r) in stretches.iter().zip(&ptrs).zip(&ready) {
+        let ptr = p.load(Ordering::Acquire);
+        if ptr != 0 {
+            held.windows
+                .push((ptr, (s.end - s.start) as usize, r.load(Ordering::Acquire)));
+        }
     }
     let copied = copied?;
     Ok(HelperMsg::Done {
         bytes: copied,
         seconds: t.elapsed().as_secs_f64(),
+        setup_s,
         register_s,
     })
 }
