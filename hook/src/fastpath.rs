@@ -1798,15 +1798,22 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 files: files.len(),
                 pieces: Vec::with_capacity(group.len()),
             };
-            let mut fds = Vec::new();
+            let distinct: HashSet<usize> = group.iter().map(|&i| work[i].0 .0).collect();
+            let mut fds = Vec::with_capacity(distinct.len());
             let mut index_of = std::collections::HashMap::new();
-            let mut ok = true;
-            for &i in &group {
+            let mut ok = fd_room(distinct.len() + files.len());
+            if !ok {
+                tracing::info!(
+                    fds = distinct.len() + files.len(),
+                    "copy-in helper not used: too close to the fd limit"
+                );
+            }
+            for &i in group.iter().take_while(|_| ok) {
                 let alloc = &allocs[by_id[&work[i].0 .0]];
                 let a = match index_of.get(&alloc.va) {
                     Some(&a) => a,
                     None => match self.allocator.export(alloc.va) {
-                        Ok(Some(fd)) if fd_room(fds.len() + 1) => {
+                        Ok(Some(fd)) => {
                             fds.push(fd);
                             job.allocs.push(alloc.mapped_size);
                             index_of.insert(alloc.va, job.allocs.len() - 1);

@@ -21,7 +21,6 @@
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -195,26 +194,20 @@ impl Helpers {
             let (ours, theirs) =
                 UnixStream::pair().map_err(|e| format!("socketpair for a helper: {e}"))?;
             let fd = theirs.as_raw_fd();
-            let mut cmd = Command::new(path);
-            cmd.env_remove("LD_PRELOAD")
+            // The helper's end is inherited by clearing its close-on-exec here rather than
+            // in a pre_exec hook: without one, std spawns with posix_spawn (no fork of a
+            // process that may map hundreds of GiB) and no atfork handler runs.
+            let flags = nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_GETFD)
+                .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
+            let flags =
+                nix::fcntl::FdFlag::from_bits_truncate(flags) - nix::fcntl::FdFlag::FD_CLOEXEC;
+            nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_SETFD(flags))
+                .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
+            let child = Command::new(path)
+                .env_remove("LD_PRELOAD")
                 .env(ENV_SOCKET_FD, fd.to_string())
                 .env(ENV_DEVICE, device.to_string())
-                .stdin(std::process::Stdio::null());
-            // SAFETY: only async-signal-safe calls between fork and exec: the helper's end
-            // of the socket loses close-on-exec.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let flags = nix::libc::fcntl(fd, nix::libc::F_GETFD);
-                    if flags < 0
-                        || nix::libc::fcntl(fd, nix::libc::F_SETFD, flags & !nix::libc::FD_CLOEXEC)
-                            < 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-            let child = cmd
+                .stdin(std::process::Stdio::null())
                 .spawn()
                 .map_err(|e| format!("cannot start the copy-in helper {}: {e}", path.display()))?;
             drop(theirs);
