@@ -195,9 +195,9 @@ const DEFAULT_STREAMS: usize = 4;
 const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
 /// Free device memory a snapshot leaves the workload (for the seconds of the write).
 const DEFAULT_SNAPSHOT_HEADROOM_MIB: usize = 1024;
-/// What the copy-in helpers take together: on the H200, 6 of 16 GiB in two helpers
-/// while this process staged 10 went in at 46.7 GB/s (`tests/gpu/xproc_probe.cu`).
-const DEFAULT_HELPER_SHARE_PERCENT: u32 = 40;
+/// What the copy-in helpers take together: the best of 25–50% with two helpers on the
+/// H200 (16 GiB; 40% and more left the helpers the last to finish).
+const DEFAULT_HELPER_SHARE_PERCENT: u32 = 30;
 
 /// A bad hook copy setting in the environment.
 #[derive(Debug, Error, PartialEq, Eq)]
