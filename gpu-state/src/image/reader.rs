@@ -49,6 +49,7 @@ struct Stored {
     layer: usize,
     file: usize,
     offset: u64,
+    stored_len: u64,
     codec: Codec,
 }
 
@@ -469,8 +470,8 @@ impl ImageReader {
         let Location::Data {
             file,
             offset,
+            stored_len,
             codec,
-            ..
         } = location
         else {
             return Err(ImageError::Worker("chunk location is not data".into()));
@@ -482,6 +483,7 @@ impl ImageReader {
             layer,
             file: file as usize,
             offset,
+            stored_len,
             codec,
         };
         Ok((chunk, place, Some(stored)))
@@ -596,49 +598,32 @@ impl ImageReader {
         scratch: &mut Vec<u8>,
         defer_gpu_hashed: bool,
     ) -> Result<(), ImageError> {
-        let alloc = &self.allocations()[a];
-        let chunk = &alloc.chunks[index];
-        let (layer, location) = match (chunk.at, chunk.key()) {
-            (Location::Zero, _) => {
-                out.fill(0);
-                return Ok(());
-            }
-            (Location::Parent { image }, Some(hash)) => {
-                let layer = self.layers.iter().find(|l| l.manifest.id == image);
-                let stored = layer.and_then(|l| l.by_hash.get(&hash).map(|s| (l, s.location)));
-                stored.ok_or_else(|| ImageError::Worker("parent reference not resolved".into()))?
-            }
-            (location, _) => (&self.layers[0], location),
-        };
-        let Location::Data {
+        let (chunk, place, stored) = self.locate(AllocId(a), index)?;
+        let Some(Stored {
+            layer,
             file,
             offset,
             stored_len,
             codec,
-        } = location
+        }) = stored
         else {
-            return Err(ImageError::Worker("chunk location is not data".into()));
+            out.fill(0);
+            return Ok(());
         };
-        let file_name = &layer.manifest.files[file as usize].name;
+        let layer = &self.layers[layer];
         let corrupt = |reason: String| ImageError::CorruptChunk {
             image: self.dir().to_path_buf(),
-            place: ChunkPlace {
-                va: alloc.va,
-                pid: alloc.tags.pid,
-                offset: chunk.offset,
-                file: layer.dir.join(file_name),
-                file_offset: offset,
-            },
+            place: place.clone(),
             reason,
         };
         let read_error = |e: io::Error| match e.kind() {
             io::ErrorKind::UnexpectedEof => {
                 corrupt("the data file ends before the chunk (truncated)".into())
             }
-            _ => ImageError::io(layer.dir.join(file_name), e),
+            _ => ImageError::io(place.file.clone(), e),
         };
-        let data = &layer.files[file as usize];
-        let mapped = match layer.mapped(file as usize) {
+        let data = &layer.files[file];
+        let mapped = match layer.mapped(file) {
             None => None,
             Some(map) => Some(map.slice(offset, stored_len as usize).ok_or_else(|| {
                 corrupt("the data file ends before the chunk (truncated)".into())
