@@ -13,6 +13,9 @@
 //                  copy on the link at once).
 //   register_probe DIR GIB WIN_MIB -> lines "regprobe KIND ... gbps=.."
 // Build: nvcc -O2 -o register_probe register_probe.cu -lcuda (GPUCR_HOOK_PROBES=register in h200-hook.sh)
+#define PROBE "register_probe"
+#include "probe_util.h"
+
 #include <cuda.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -24,23 +27,6 @@
 #include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
-
-#define CK(call)                                                         \
-  do {                                                                   \
-    CUresult r_ = (call);                                                \
-    if (r_ != CUDA_SUCCESS) {                                            \
-      const char *s_ = "";                                               \
-      cuGetErrorString(r_, &s_);                                         \
-      fprintf(stderr, "register_probe: %s: %d %s\n", #call, r_, s_);    \
-      exit(2);                                                           \
-    }                                                                    \
-  } while (0)
-
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec / 1e9;
-}
 
 static CUcontext ctx;
 static char *map;

@@ -14,6 +14,9 @@
 // (CLOCK_REALTIME); the timed part starts there. Prints
 //   "xprobe MODE gib=.. s=.. gbps=.. end_ns=.." (end_ns: everything on the GPU).
 // Build: nvcc -O2 -o xproc_probe xproc_probe.cu -lcuda (GPUCR_HOOK_PROBES=xproc in h200-hook.sh)
+#define PROBE "xproc_probe"
+#include "probe_util.h"
+
 #include <cuda.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -27,22 +30,6 @@
 
 #include <atomic>
 
-#define CK(call)                                                     \
-  do {                                                               \
-    CUresult r_ = (call);                                            \
-    if (r_ != CUDA_SUCCESS) {                                        \
-      const char *s_ = "";                                           \
-      cuGetErrorString(r_, &s_);                                     \
-      fprintf(stderr, "xproc_probe: %s: %d %s\n", #call, r_, s_);    \
-      exit(2);                                                       \
-    }                                                                \
-  } while (0)
-
-static double mono(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec / 1e9;
-}
 static long long real_ns(void) {
   struct timespec t;
   clock_gettime(CLOCK_REALTIME, &t);
@@ -135,13 +122,13 @@ int main(int argc, char **argv) {
   if (wait < 0) fprintf(stderr, "xproc_probe: setup ended %.3f s after the start\n", -wait / 1e9);
   while (real_ns() < start) {
   }
-  double a = mono(), reg_s = 0;
+  double a = now_s(), reg_s = 0;
   pthread_t th[32];
   int nt = 0;
   if (pre) {  // register the direct part first, on 8 threads
     for (int i = 0; i < 8; i++) pthread_create(&th[i], NULL, registrar, NULL);
     for (int i = 0; i < 8; i++) pthread_join(th[i], NULL);
-    reg_s = mono() - a;
+    reg_s = now_s() - a;
     next.store(0);
   } else if (dlen) {
     for (; nt < 8; nt++) pthread_create(&th[nt], NULL, registrar, NULL);
@@ -174,14 +161,14 @@ int main(int argc, char **argv) {
     if (!progress) sched_yield();
   }
   CK(cuCtxSynchronize());
-  double s = mono() - a;
+  double s = now_s() - a;
   long long end = real_ns();
   for (int i = 0; i < nt; i++) pthread_join(th[i], NULL);
   double u = 0;
   if (dlen) {
-    double b = mono();
+    double b = now_s();
     for (size_t w = 0; w < dn; w++) CK(cuMemHostUnregister(map + w * WIN));
-    u = mono() - b;
+    u = now_s() - b;
   }
   // The device got the range: its first and last 16 MiB.
   char *back = (char *)malloc(BUF), *want = (char *)malloc(BUF);
