@@ -1809,14 +1809,15 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 );
             }
             for &i in group.iter().take_while(|_| ok) {
-                let alloc = &allocs[by_id[&work[i].0 .0]];
-                let a = match index_of.get(&alloc.va) {
+                let id = work[i].0 .0;
+                let alloc = &allocs[by_id[&id]];
+                let a = match index_of.get(&id) {
                     Some(&a) => a,
                     None => match self.allocator.export(alloc.va) {
                         Ok(Some(fd)) => {
                             fds.push(fd);
                             job.allocs.push(alloc.mapped_size);
-                            index_of.insert(alloc.va, job.allocs.len() - 1);
+                            index_of.insert(id, job.allocs.len() - 1);
                             job.allocs.len() - 1
                         }
                         other => {

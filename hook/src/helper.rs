@@ -173,7 +173,6 @@ pub fn stretches(job: &Job, sizes: &[u64]) -> Result<Vec<Stretch>, String> {
 /// Helpers spawned for one copy-in.
 pub struct Helpers {
     list: Vec<Helper>,
-    spawned_at: Instant,
 }
 
 /// One helper process and its socket.
@@ -217,10 +216,7 @@ impl Helpers {
                 init_s: None,
             });
         }
-        Ok(Helpers {
-            list,
-            spawned_at: Instant::now(),
-        })
+        Ok(Helpers { list })
     }
 
     /// How many were spawned.
@@ -230,11 +226,6 @@ impl Helpers {
 
     pub fn is_empty(&self) -> bool {
         self.list.is_empty()
-    }
-
-    /// Seconds since they were spawned.
-    pub fn age(&self) -> f64 {
-        self.spawned_at.elapsed().as_secs_f64()
     }
 
     /// The helpers that have said Ready by now (waiting for none); the others are let
