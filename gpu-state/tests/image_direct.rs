@@ -10,7 +10,7 @@ use gpu_state::image::{
     is_tmpfs, Compression, ImageError, ImageOptions, ImageReader, ImageWriter, Location, Manifest,
     NoDirect,
 };
-use image_util::{alloc, first_data_file, read_back, small_opts, write_image, Rng};
+use image_util::{alloc, largest_data_file, read_back, small_opts, write_image, Rng};
 
 const CHUNK: usize = 64 << 10;
 
@@ -357,7 +357,7 @@ fn mapped_reads_match_plain_reads_and_check_crcs() {
     }
 
     // A flipped byte (written in place, as damage would be) is caught through the map.
-    let file = first_data_file(&child);
+    let file = largest_data_file(&child);
     {
         use std::os::unix::fs::FileExt;
         let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();

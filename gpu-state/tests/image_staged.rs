@@ -11,7 +11,7 @@ use gpu_state::image::{
     AllocId, AllocationTags, Compression, ImageError, ImageOptions, ImageReader, ImageWriter,
     Manifest, StagingPin, StagingPool,
 };
-use image_util::{alloc, first_data_file, small_opts, write_image, Rng};
+use image_util::{alloc, largest_data_file, small_opts, write_image, Rng};
 
 const CHUNK: usize = 64 << 10;
 
@@ -203,7 +203,7 @@ fn staged_reads_stop_at_the_first_error() {
     assert!(reader
         .read_chunks_staged(&work, &small, 1, |_, _, _| Ok::<(), ImageError>(()))
         .is_err());
-    let file = first_data_file(&dir);
+    let file = largest_data_file(&dir);
     let mut bytes = std::fs::read(&file).unwrap();
     bytes[10] ^= 1;
     std::fs::write(&file, bytes).unwrap();

@@ -556,7 +556,7 @@ fn failures_during_copy_in_leave_no_dma() {
     let image = root.path().join("img");
     s.fast.freeze().unwrap();
     s.fast.copy_out(&image, None).unwrap();
-    let data = first_data_file(&image);
+    let data = largest_data_file(&image);
     let mut bytes = std::fs::read(&data).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
@@ -656,11 +656,14 @@ fn options_come_from_the_environment() {
 }
 
 /// The first data file (`*.bin`) of an image, e.g. to damage it.
-fn first_data_file(image: &Path) -> PathBuf {
+/// The image's largest data file: one a worker wrote a single short chunk to can be a
+/// byte long, and `read_dir`'s order is not fixed.
+fn largest_data_file(image: &Path) -> PathBuf {
     std::fs::read_dir(image)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .filter(|p| p.to_string_lossy().ends_with(".bin"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
         .expect("the image has a data file")
 }
 
@@ -963,7 +966,7 @@ fn direct_copy_in_failures_leave_nothing_behind() {
     check_memory(&s.driver, &s.allocator, &expected);
 
     // A damaged chunk stops it before its copy.
-    let data = first_data_file(&image);
+    let data = largest_data_file(&image);
     let mut bytes = std::fs::read(&data).unwrap();
     let at = bytes.len() / 2;
     bytes[at] ^= 0x40;
@@ -1784,7 +1787,7 @@ fn staged_copy_in_reads_a_tmpfs_image_through_a_mapping() {
         check_memory(&s.driver, &s.allocator, &expected);
 
         // A damaged chunk is refused through the mapping too.
-        let data = first_data_file(&image);
+        let data = largest_data_file(&image);
         let mut bytes = std::fs::read(&data).unwrap();
         bytes[7] ^= 0x10;
         std::fs::write(&data, bytes).unwrap();

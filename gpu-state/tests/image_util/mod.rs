@@ -108,11 +108,13 @@ pub fn blake3_hex(bytes: &[u8]) -> String {
     gpu_state::image::ContentHash::of(bytes).to_hex()
 }
 
-/// The first data file (`*.bin`) of an image, e.g. to damage it.
-pub fn first_data_file(dir: &Path) -> std::path::PathBuf {
+/// The largest data file (`*.bin`) of an image, e.g. to damage it: a file one worker
+/// wrote a short chunk to can be a few bytes long, and `read_dir`'s order is not fixed.
+pub fn largest_data_file(dir: &Path) -> std::path::PathBuf {
     std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().ends_with(".bin"))
+        .filter(|p| p.to_string_lossy().ends_with(".bin"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
         .expect("the image has a data file")
 }
