@@ -60,8 +60,9 @@ pub trait Engine: Send {
     fn prepared(&self) -> bool;
     /// Drops a prepared CopyOut, if any.
     fn drop_prepared(&self);
-    /// Starts what the next copy-in can use (its helpers); none by default.
-    fn warm(&self) -> Result<WarmReport, Self::Error> {
+    /// Starts what the next copy-in (from `image_dir` when given) can use: its helpers,
+    /// and with an image their shares pinned ahead; none by default.
+    fn warm(&self, _image_dir: Option<&Path>) -> Result<WarmReport, Self::Error> {
         Ok(WarmReport::default())
     }
 }
@@ -269,7 +270,7 @@ impl<E: Engine> Controller<E> {
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
             }
-            Request::Warm => Outcome::Warmed(e.warm()?),
+            Request::Warm { image_dir } => Outcome::Warmed(e.warm(image_dir.as_deref())?),
             Request::Remap => Outcome::Remapped(e.remap()?),
             Request::CopyIn { image_dir } => Outcome::CopiedIn(e.copy_in(image_dir)?),
             Request::Thaw => e.thaw().map(|()| Outcome::Thawed)?,
@@ -338,8 +339,16 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
         (Request::CopyIn { image_dir }, [dir]) => Ok(Request::CopyIn {
             image_dir: fd_path(dir, image_dir, "image_dir")?,
         }),
+        (
+            Request::Warm {
+                image_dir: Some(image_dir),
+            },
+            [dir],
+        ) => Ok(Request::Warm {
+            image_dir: Some(fd_path(dir, image_dir, "image_dir")?),
+        }),
         (req, fds) => Err(bad(format!(
-            "{:?} does not take {} fd(s) (CopyOut, WriteSnapshot and Prepare take 1 or 2, CopyIn 1)",
+            "{:?} does not take {} fd(s) (CopyOut, WriteSnapshot and Prepare take 1 or 2, CopyIn and Warm with an image 1)",
             req.verb(),
             fds.len()
         ))),

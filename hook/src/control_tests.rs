@@ -166,6 +166,12 @@ impl Engine for StubEngine {
     fn prepared(&self) -> bool {
         *self.prepared.lock().unwrap()
     }
+    fn warm(&self, dir: Option<&Path>) -> Result<WarmReport, StubError> {
+        if let Some(dir) = dir {
+            self.paths.lock().unwrap().push(dir.to_path_buf());
+        }
+        self.step(Verb::Warm).map(|()| WarmReport::default())
+    }
     fn drop_prepared(&self) {
         *self.prepared.lock().unwrap() = false;
     }
@@ -208,7 +214,7 @@ fn request(verb: Verb) -> Request {
             image_dir: "/img".into(),
             parent: None,
         },
-        Verb::Warm => Request::Warm,
+        Verb::Warm => Request::Warm { image_dir: None },
     }
 }
 
@@ -511,9 +517,32 @@ fn copy_out_fds_are_closed_by_release_or_thaw_and_after_a_failure() {
 fn copy_in_by_fd_closes_the_fd_after_the_verb() {
     let (_sock, path, controller) = serve_stub();
     let mut client = ControlClient::connect(&path).unwrap();
-    for req in [Verb::Freeze, Verb::CopyOut, Verb::Release, Verb::Remap] {
+    for req in [Verb::Freeze, Verb::CopyOut, Verb::Release] {
         ok(client.call(&request(req)).unwrap());
     }
+    // Warm with the image by fd too (the engine opens what it needs during the verb).
+    let (mut r, w) = pipe();
+    let warm = Request::Warm {
+        image_dir: Some("img".into()),
+    };
+    ok(client.call_with_fds(&warm, &[w.as_fd()]).unwrap());
+    drop(w);
+    assert!(!held(&mut r));
+    let warmed = controller
+        .lock()
+        .unwrap()
+        .engine()
+        .paths
+        .lock()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert!(
+        warmed.starts_with("/proc/self/fd/") && warmed.ends_with("img"),
+        "{warmed:?}"
+    );
+    ok(client.call(&request(Verb::Remap)).unwrap());
     let (mut r, w) = pipe();
     ok(client
         .call_with_fds(

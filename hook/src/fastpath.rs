@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use gpu_state::image::gpuhash::{self, ChunkDigest};
 use gpu_state::image::{
     AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
-    ImageReader, ImageWriter, Location, MappedImage, NoDirect, StagedChunk, StagingPin,
+    ImageReader, ImageWriter, Location, MappedImage, NoDirect, RawPlace, StagedChunk, StagingPin,
     StagingPool,
 };
 use thiserror::Error;
@@ -29,7 +29,7 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
-use crate::helper::{split, Helper, Helpers, Job, Piece};
+use crate::helper::{split, Ahead, Helper, HelperMsg, Helpers, Job, Piece};
 use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HelperReport, HookStatus,
@@ -1706,34 +1706,128 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// Starts the copy-in helpers (Warm): they make their CUDA contexts while the
     /// driver restores this process. None without `copy_in_helpers` and a helper path,
-    /// or when they cannot start (the copy-in then stages everything).
-    pub fn warm(&self) -> Result<WarmReport, FastPathError> {
+    /// or when they cannot start (the copy-in then stages everything). With the image
+    /// the copy-in will read, each helper also gets its job now and pins its share of
+    /// the image ahead of the copy-in (see [`crate::helper`]). Makes no CUDA call: the
+    /// driver may hold this process checkpointed.
+    pub fn warm(&self, image_dir: Option<&Path>) -> Result<WarmReport, FastPathError> {
         let mut slot = lock(&self.helpers);
-        if let Some(h) = slot.as_ref() {
-            return Ok(WarmReport { helpers: h.len() });
+        if slot.is_none() {
+            *slot = self.spawn_helpers();
         }
-        let (n, Some(path)) = (self.opts.copy_in_helpers, self.opts.helper_path.as_ref()) else {
+        let Some(helpers) = slot.as_mut() else {
             return Ok(WarmReport::default());
         };
+        let mut report = WarmReport {
+            helpers: helpers.len(),
+            ahead_bytes: 0,
+        };
+        let sent: u64 = helpers
+            .list_mut()
+            .iter()
+            .filter_map(|h| h.ahead.as_ref().map(|a| a.bytes))
+            .sum();
+        report.ahead_bytes = match image_dir {
+            Some(dir) if sent == 0 => self.send_ahead(helpers, dir).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "copy-in helpers get their jobs at the copy-in");
+                0
+            }),
+            _ => sent,
+        };
+        Ok(report)
+    }
+
+    fn spawn_helpers(&self) -> Option<Helpers> {
+        let (n, Some(path)) = (self.opts.copy_in_helpers, self.opts.helper_path.as_ref()) else {
+            return None;
+        };
         if n == 0 {
-            return Ok(WarmReport::default());
+            return None;
         }
         let Some(device) = self.driver().device_ordinal() else {
             tracing::info!("copy-in helpers not started: the driver has no device ordinal");
-            return Ok(WarmReport::default());
+            return None;
         };
         match Helpers::spawn(path, n, device) {
             Ok(h) => {
                 tracing::info!(helpers = h.len(), path = %path.display(), "copy-in helpers starting");
-                let helpers = h.len();
-                *slot = Some(h);
-                Ok(WarmReport { helpers })
+                Some(h)
             }
             Err(e) => {
                 tracing::warn!(error = %e, "copy-in helpers not started; the copy-in stages everything");
-                Ok(WarmReport::default())
+                None
             }
         }
+    }
+
+    /// Sends every helper its job for a copy-in from `dir` now; the bytes sent. None
+    /// when the copy-in will not use helpers for this image (no gh1 digests to check
+    /// their chunks by, or not a raw image on tmpfs).
+    fn send_ahead(&self, helpers: &mut Helpers, dir: &Path) -> Result<u64, FastPathError> {
+        let reader = ImageReader::open(dir)?;
+        if !self.opts.device_hash || !reader.has_gpu_hashes() || reader.direct_refusal().is_some() {
+            return Ok(0);
+        }
+        // Released memory: matched by address and size only, as the copy-in will.
+        let allocs = self.movable()?;
+        let mut plan = Vec::with_capacity(allocs.len());
+        for a in &allocs {
+            match reader.find(a.va, self.opts.pid) {
+                Some(id) if reader.allocations()[id.0].size == a.size => plan.push(id),
+                _ => return Err(FastPathError::NotInImage { va: a.va }),
+            }
+        }
+        let (work, targets) = Self::chunk_work(&reader, &allocs, &plan);
+        let places = reader.raw_places(&work)?;
+        let lens = Self::chunk_lens(&reader, &work);
+        let groups = split(&places, &lens, self.opts.helper_share, helpers.len());
+        let image_id = reader.manifest_hash().to_hex();
+        let files = reader.data_files();
+        let mut sent = 0;
+        for (helper, group) in helpers.list_mut().iter_mut().zip(groups) {
+            if !fd_room(files.len()) {
+                tracing::info!(
+                    fds = files.len(),
+                    "copy-in job not sent ahead: too close to the fd limit"
+                );
+                break;
+            }
+            let (job, job_allocs) = Self::job_for(
+                &group,
+                &work,
+                &targets,
+                &places,
+                &allocs,
+                &plan,
+                files.len(),
+            );
+            let fds = match files
+                .iter()
+                .map(|f| f.try_clone().map(OwnedFd::from))
+                .collect::<Result<Vec<_>, _>>()
+            {
+                Ok(fds) => fds,
+                Err(e) => {
+                    tracing::warn!(error = %e, "copy-in job not sent ahead: cannot duplicate a data file fd");
+                    break;
+                }
+            };
+            let bytes = group.iter().map(|&i| lens[i]).sum();
+            let chunks = group.iter().map(|&i| (work[i].0 .0, work[i].1)).collect();
+            let ahead = Ahead::new(image_id.clone(), chunks, job_allocs, bytes);
+            match helper.send_job_ahead(job, fds, ahead) {
+                Ok(()) => sent += bytes,
+                Err(e) => {
+                    tracing::warn!(pid = helper.pid(), error = %e, "copy-in job not sent ahead")
+                }
+            }
+        }
+        tracing::info!(
+            bytes = sent,
+            helpers = helpers.len(),
+            "copy-in helpers pin their share ahead"
+        );
+        Ok(sent)
     }
 
     /// Lets any helpers go unused (reaped in the background, joined at the next freeze).
@@ -1743,9 +1837,57 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         }
     }
 
+    /// The bytes of each work item's chunk.
+    fn chunk_lens(reader: &ImageReader, work: &[(AllocId, usize)]) -> Vec<u64> {
+        work.iter()
+            .map(|&(id, index)| reader.allocations()[id.0].chunks[index].len)
+            .collect()
+    }
+
+    /// A helper's job for the work items `group` (raw chunks: `places` has each), and
+    /// the address and mapped size of each allocation it names, in job order.
+    fn job_for(
+        group: &[usize],
+        work: &[(AllocId, usize)],
+        targets: &[DevicePtr],
+        places: &[Option<RawPlace>],
+        allocs: &[Allocation],
+        plan: &[AllocId],
+        files: usize,
+    ) -> (Job, Vec<(u64, u64)>) {
+        let by_id: std::collections::HashMap<usize, &Allocation> =
+            plan.iter().zip(allocs).map(|(id, a)| (id.0, a)).collect();
+        let mut job = Job {
+            allocs: Vec::new(),
+            files,
+            pieces: Vec::with_capacity(group.len()),
+        };
+        let mut job_allocs = Vec::new();
+        let mut index_of = std::collections::HashMap::new();
+        for &i in group {
+            let alloc = by_id[&work[i].0 .0];
+            let a = *index_of.entry(alloc.va).or_insert_with(|| {
+                job.allocs.push(alloc.mapped_size);
+                job_allocs.push((alloc.va, alloc.mapped_size));
+                job.allocs.len() - 1
+            });
+            let place = places[i].expect("split hands out raw chunks only");
+            job.pieces.push(Piece {
+                alloc: a,
+                alloc_offset: targets[i] - alloc.va,
+                file: place.file,
+                file_offset: place.offset,
+                len: place.len,
+            });
+        }
+        (job, job_allocs)
+    }
+
     /// Gives the ready helpers their shares of `work` (see [`crate::helper::split`]):
-    /// raw, gh1-hashed chunks of a tmpfs image, the memory they land in exported.
-    /// Anything that does not work out leaves the chunks to the staged copy.
+    /// raw, gh1-hashed chunks of a tmpfs image, the memory they land in exported. Jobs
+    /// sent ahead (Warm with this image) are used as they are; otherwise each helper
+    /// gets its job now. Anything that does not work out leaves the chunks to the
+    /// staged copy.
     fn hand_out(
         &self,
         reader: &ImageReader,
@@ -1772,82 +1914,87 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if ready.is_empty() {
             return shared;
         }
-        let places = match reader.raw_places(work) {
-            Ok(p) => p,
-            Err(e) => {
-                tracing::warn!(error = %e, "copy-in helpers not used");
-                lock(&self.reapers).extend(ready.into_iter().map(Helper::stop));
-                return shared;
-            }
-        };
-        let lens: Vec<u64> = work
-            .iter()
-            .map(|&(id, index)| reader.allocations()[id.0].chunks[index].len)
-            .collect();
-        let groups = split(&places, &lens, self.opts.helper_share, ready.len());
-        let files = reader.data_files();
-        let by_id: std::collections::HashMap<usize, usize> =
-            plan.iter().enumerate().map(|(i, id)| (id.0, i)).collect();
-        let mut ready = ready.into_iter();
-        for group in groups {
-            let Some(mut helper) = ready.next() else {
-                break;
-            };
-            let mut job = Job {
-                allocs: Vec::new(),
-                files: files.len(),
-                pieces: Vec::with_capacity(group.len()),
-            };
-            let distinct: HashSet<usize> = group.iter().map(|&i| work[i].0 .0).collect();
-            let mut fds = Vec::with_capacity(distinct.len());
-            let mut index_of = std::collections::HashMap::new();
-            let mut ok = fd_room(distinct.len() + files.len());
-            if !ok {
-                tracing::info!(
-                    fds = distinct.len() + files.len(),
-                    "copy-in helper not used: too close to the fd limit"
-                );
-            }
-            for &i in group.iter().take_while(|_| ok) {
-                let id = work[i].0 .0;
-                let alloc = &allocs[by_id[&id]];
-                let a = match index_of.get(&id) {
-                    Some(&a) => a,
-                    None => match self.allocator.export(alloc.va) {
-                        Ok(Some(fd)) => {
-                            fds.push(fd);
-                            job.allocs.push(alloc.mapped_size);
-                            index_of.insert(id, job.allocs.len() - 1);
-                            job.allocs.len() - 1
-                        }
-                        other => {
-                            let why = match other {
-                                Err(e) => e.to_string(),
-                                _ => "its memory cannot be exported here".into(),
-                            };
-                            tracing::info!(va = alloc.va, reason = %why, "copy-in helper not used");
-                            ok = false;
-                            break;
-                        }
-                    },
-                };
-                let place = places[i].expect("split hands out raw chunks only");
-                job.pieces.push(Piece {
-                    alloc: a,
-                    alloc_offset: targets[i] - alloc.va,
-                    file: place.file,
-                    file_offset: place.offset,
-                    len: place.len,
+        let lens = Self::chunk_lens(reader, work);
+        let sent_ahead = ready.iter().any(|h| h.ahead.is_some());
+        // Each helper, its work items and its job's allocations (address, mapped size).
+        type Assigned = (Helper, Vec<usize>, Vec<(u64, u64)>);
+        let mut assigned: Vec<Assigned> = Vec::new();
+        if sent_ahead {
+            let image_id = reader.manifest_hash().to_hex();
+            let index: std::collections::HashMap<(usize, usize), usize> = work
+                .iter()
+                .enumerate()
+                .map(|(i, &(id, index))| ((id.0, index), i))
+                .collect();
+            for helper in ready {
+                let group = helper.ahead.as_ref().and_then(|a| {
+                    (a.image_id == image_id)
+                        .then(|| a.chunks.iter().map(|k| index.get(k).copied()).collect())
+                        .flatten()
                 });
+                match group {
+                    Some(group) => {
+                        let job_allocs = helper.ahead.as_ref().map(|a| a.allocs.clone());
+                        assigned.push((helper, group, job_allocs.unwrap_or_default()));
+                    }
+                    None => {
+                        tracing::info!(
+                            pid = helper.pid(),
+                            "copy-in helper not used: its job was for another image"
+                        );
+                        lock(&self.reapers).push(helper.stop());
+                    }
+                }
             }
-            if !ok {
-                lock(&self.reapers).push(helper.stop());
-                continue;
+        } else {
+            let places = match reader.raw_places(work) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = %e, "copy-in helpers not used");
+                    lock(&self.reapers).extend(ready.into_iter().map(Helper::stop));
+                    return shared;
+                }
+            };
+            let groups = split(&places, &lens, self.opts.helper_share, ready.len());
+            let files = reader.data_files();
+            let mut ready = ready.into_iter();
+            for group in groups {
+                let Some(mut helper) = ready.next() else {
+                    break;
+                };
+                if !fd_room(files.len()) {
+                    tracing::info!(
+                        fds = files.len(),
+                        "copy-in helper not used: too close to the fd limit"
+                    );
+                    lock(&self.reapers).push(helper.stop());
+                    continue;
+                }
+                let (job, job_allocs) =
+                    Self::job_for(&group, work, targets, &places, allocs, plan, files.len());
+                if let Err(e) = helper.send_job(&job, &files) {
+                    tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
+                    lock(&self.reapers).push(helper.stop());
+                    continue;
+                }
+                assigned.push((helper, group, job_allocs));
             }
-            if let Err(e) = helper.send(&job, &fds, &files) {
-                tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
-                lock(&self.reapers).push(helper.stop());
-                continue;
+            lock(&self.reapers).extend(ready.map(Helper::stop));
+        }
+        for (mut helper, group, job_allocs) in assigned {
+            match self.export_for(allocs, &job_allocs) {
+                Ok(fds) => {
+                    if let Err(e) = helper.go(&fds) {
+                        tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
+                        lock(&self.reapers).push(helper.stop());
+                        continue;
+                    }
+                }
+                Err(why) => {
+                    tracing::info!(pid = helper.pid(), reason = %why, "copy-in helper not used");
+                    lock(&self.reapers).push(helper.stop());
+                    continue;
+                }
             }
             for &i in &group {
                 shared.taken[i] = true;
@@ -1855,8 +2002,35 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             let bytes = group.iter().map(|&i| lens[i]).sum();
             shared.running.push((helper, group, bytes));
         }
-        lock(&self.reapers).extend(ready.map(Helper::stop));
         shared
+    }
+
+    /// The memory fds of a job's allocations (address and mapped size, in job order):
+    /// each exported, and as the job knows it.
+    fn export_for(
+        &self,
+        allocs: &[Allocation],
+        job_allocs: &[(u64, u64)],
+    ) -> Result<Vec<OwnedFd>, String> {
+        if !fd_room(job_allocs.len()) {
+            return Err(format!(
+                "{} fds would come too close to the fd limit",
+                job_allocs.len()
+            ));
+        }
+        let mut fds = Vec::with_capacity(job_allocs.len());
+        for &(va, size) in job_allocs {
+            match allocs.iter().find(|a| a.va == va) {
+                Some(a) if a.mapped_size == size => {}
+                _ => return Err(format!("allocation {va:#x} is not as the job knows it")),
+            }
+            match self.allocator.export(va) {
+                Ok(Some(fd)) => fds.push(fd),
+                Ok(None) => return Err("its memory cannot be exported here".into()),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(fds)
     }
 
     /// Maps the image's data files for the staged readers as `map_reads` says; whether
@@ -2249,12 +2423,22 @@ impl Shared {
                 ..HelperReport::default()
             };
             match helper.wait_done() {
-                Ok((seconds, setup_s, register_s)) => {
+                Ok(HelperMsg::Done {
+                    seconds,
+                    setup_s,
+                    register_s,
+                    ahead_s,
+                    pin_wait_s,
+                    ..
+                }) => {
                     report.seconds = seconds;
                     report.setup_s = setup_s;
                     report.register_s = register_s;
+                    report.ahead_s = ahead_s;
+                    report.pin_wait_s = pin_wait_s;
                     reapers.push(helper.finish());
                 }
+                Ok(other) => unreachable!("wait_done returns Done only: {other:?}"),
                 Err(e) => {
                     tracing::warn!(pid = report.pid, error = %e, "copy-in helper failed");
                     report.error = Some(e);
@@ -2342,8 +2526,8 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     fn prepared(&self) -> bool {
         self.is_prepared()
     }
-    fn warm(&self) -> Result<WarmReport, FastPathError> {
-        FastPath::warm(self)
+    fn warm(&self, image_dir: Option<&Path>) -> Result<WarmReport, FastPathError> {
+        FastPath::warm(self, image_dir)
     }
 
     fn drop_prepared(&self) {

@@ -1886,9 +1886,13 @@ fn copy_in_helpers_that_fail_leave_their_share_to_the_staged_copy() {
         let image = root.path().join(format!("img-{n}"));
         s.fast.copy_out(&image, None).unwrap();
         s.fast.release(false).unwrap();
-        assert_eq!(s.fast.warm().unwrap().helpers, n);
-        // Warm again: the same helpers.
-        assert_eq!(s.fast.warm().unwrap().helpers, n);
+        // The helpers get their jobs at the copy-in, or ahead with the image.
+        let ahead = (n == 2).then_some(image.as_path());
+        let warm = s.fast.warm(ahead).unwrap();
+        assert_eq!(warm.helpers, n);
+        assert_eq!(warm.ahead_bytes > 0, ahead.is_some(), "{warm:?}");
+        // Warm again: the same helpers, the same jobs.
+        assert_eq!(s.fast.warm(ahead).unwrap(), warm);
         std::thread::sleep(Duration::from_millis(300));
         s.fast.remap().unwrap();
         let report = s.fast.copy_in(&image).unwrap();
@@ -1935,7 +1939,11 @@ fn warm_without_a_usable_helper_starts_none() {
         let image = root.path().join("img");
         s.fast.copy_out(&image, None).unwrap();
         s.fast.release(false).unwrap();
-        assert_eq!(s.fast.warm().unwrap().helpers, 0, "{path:?}");
+        assert_eq!(
+            s.fast.warm(Some(&image)).unwrap(),
+            WarmReport::default(),
+            "{path:?}"
+        );
         s.fast.remap().unwrap();
         let report = s.fast.copy_in(&image).unwrap();
         assert!(report.helpers.is_empty());
@@ -1943,4 +1951,133 @@ fn warm_without_a_usable_helper_starts_none() {
         check_memory(&s.driver, &s.allocator, &expected);
         std::fs::remove_dir_all(&image).unwrap();
     }
+}
+
+/// Not a test of its own: the body of a fake copy-in helper when the test binary is
+/// started as one (`fake_helper_script`). It takes its job, logs it, takes the Go and
+/// says Done without copying anything.
+#[test]
+fn fake_copyin_helper() {
+    use crate::helper::{helper_socket, next_go, next_job, say, HelperMsg, ENV_SOCKET_FD};
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
+    let (Some(_), Some(log)) = (
+        std::env::var_os(ENV_SOCKET_FD),
+        std::env::var_os("GPUCR_FAKE_HELPER_LOG"),
+    ) else {
+        return;
+    };
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(log)
+        .unwrap();
+    let mut sock = helper_socket().unwrap();
+    say(&mut sock, &HelperMsg::Ready { init_s: 0.0 }).unwrap();
+    let (job, files) = next_job(&mut sock).unwrap().unwrap();
+    let files: Vec<std::fs::File> = files.into_iter().map(std::fs::File::from).collect();
+    let mut bytes = 0;
+    for p in &job.pieces {
+        let mut buf = vec![0; p.len as usize];
+        files[p.file]
+            .read_exact_at(&mut buf, p.file_offset)
+            .unwrap();
+        bytes += p.len;
+    }
+    writeln!(log, "job {} {bytes}", job.pieces.len()).unwrap();
+    let memory = next_go(&mut sock, &job).unwrap().unwrap();
+    writeln!(log, "go {}", memory.len()).unwrap();
+    let done = HelperMsg::Done {
+        bytes,
+        seconds: 0.0,
+        setup_s: 0.0,
+        register_s: 0.0,
+        ahead_s: 0.0,
+        pin_wait_s: 0.0,
+    };
+    say(&mut sock, &done).unwrap();
+    let _ = next_job(&mut sock);
+    std::process::exit(0);
+}
+
+/// A script that starts this test binary as a fake helper logging into `log`.
+fn fake_helper_script(dir: &Path, log: &Path) -> PathBuf {
+    let path = dir.join("fake-copyin");
+    let exe = std::env::current_exe().unwrap();
+    std::fs::write(
+        &path,
+        format!(
+            "#!/bin/bash\nexport GPUCR_FAKE_HELPER_LOG={}\nexec {} --exact \
+             fastpath::tests::fake_copyin_helper --test-threads=1 -q >/dev/null\n",
+            log.display(),
+            exe.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+/// Warm with the image sends each helper its job at once (it pins while the driver
+/// restores the process); the copy-in only sends the memory. What a helper says it
+/// copied is not trusted: one that did not copy fails the copy-in's device check. A
+/// job for another image is not used: the copy-in stages everything.
+#[test]
+fn warm_with_the_image_sends_the_jobs_ahead_and_helpers_are_checked_on_the_device() {
+    let Some(root) = tmpfs_dir() else { return };
+    let bin = tempfile::tempdir().unwrap();
+    let log = bin.path().join("log");
+    let helper = fake_helper_script(bin.path(), &log);
+    let log_lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    let wait_for = |what: &str, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while log_lines().lines().filter(|l| l.starts_with(what)).count() < n {
+            assert!(Instant::now() < deadline, "no {what} in {:?}", log_lines());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let s = with_device_hash(FastPathOptions {
+        copy_in_helpers: 2,
+        helper_path: Some(helper),
+        helper_share: 0.5,
+        ..pipelined()
+    });
+    s.driver.set_device_ordinal(Some(0));
+    let expected = populate_hashable(&s);
+    s.fast.freeze().unwrap();
+    let (image, other) = (root.path().join("img"), root.path().join("other"));
+    s.fast.copy_out(&image, None).unwrap();
+    s.fast.copy_out(&other, None).unwrap();
+
+    // A job for another image: not used.
+    s.fast.release(false).unwrap();
+    let warm = s.fast.warm(Some(&other)).unwrap();
+    assert_eq!(warm.helpers, 2);
+    assert!(warm.ahead_bytes > 0, "{warm:?}");
+    wait_for("job", 2);
+    s.fast.remap().unwrap();
+    let report = s.fast.copy_in(&image).unwrap();
+    assert!(report.helpers.is_empty(), "{report:?}");
+    assert!(!log_lines().contains("go"), "{}", log_lines());
+    s.fast.thaw().unwrap();
+    check_memory(&s.driver, &s.allocator, &expected);
+
+    // The jobs arrive at Warm, before the memory exists again; the Go at the copy-in.
+    std::fs::remove_file(&log).unwrap();
+    s.fast.freeze().unwrap();
+    s.fast.release(false).unwrap();
+    let warm = s.fast.warm(Some(&image)).unwrap();
+    wait_for("job", 2);
+    let bytes: u64 = log_lines()
+        .lines()
+        .map(|l| l.split(' ').nth(2).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert_eq!(bytes, warm.ahead_bytes);
+    s.fast.remap().unwrap();
+    let err = s.fast.copy_in(&image).unwrap_err();
+    assert!(
+        matches!(err, FastPathError::DeviceCheck { .. }),
+        "a helper that copied nothing is caught: {err}"
+    );
+    assert_eq!(log_lines().matches("go ").count(), 2, "{}", log_lines());
 }

@@ -11,12 +11,17 @@
 //! registered chunk costs one pass.
 //!
 //! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes
-//! a while), and wait; at the copy-in the ones that are ready get a [`Job`]: the memory
-//! fds of the allocations it touches (exported, imported there and mapped), the image's
-//! data files as fds, and pieces (chunk → allocation offset). A helper replies Done or
-//! Failed; what a failed helper had is staged afterwards. Nothing a helper copies is
-//! trusted: only chunks with a gh1 digest go to helpers, and the copy-in checks them on
-//! the GPU after. Helpers never outlive the copy-in (or a Thaw): no checkpoint meets one.
+//! a while). A helper's work comes in two parts: a [`Job`] — the pieces it copies
+//! (chunk → allocation offset) with the image's data files as fds — which it starts
+//! pinning at once, and a [`Go`] with the memory fds of the allocations the pieces land
+//! in (exported by the hook once its memory exists again, imported there and mapped),
+//! after which it copies. Warm with an image sends the jobs at once, so the pinning
+//! (the slow part, 0.3–0.5 s per 3 GiB on the H200) runs while the driver restores the
+//! process and the copy-in itself is DMA from pinned pages; without one, the copy-in
+//! sends Job and Go together. A helper replies Done or Failed; what a failed helper had
+//! is staged afterwards. Nothing a helper copies is trusted: only chunks with a gh1
+//! digest go to helpers, and the copy-in checks them on the GPU after. Helpers never
+//! outlive the copy-in (or a Thaw): no checkpoint meets one.
 
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -40,17 +45,24 @@ pub const MAX_FRAME: u32 = 64 << 20;
 /// How long a copy-in waits for a helper's reply to its job.
 const JOB_DEADLINE: Duration = Duration::from_secs(120);
 
-/// One helper's share of a copy-in. The job frame is followed by `allocs.len()` memory
-/// fds, then `files` data file fds (fd batches, [`send_fd_batches`]).
+/// One helper's share of a copy-in. The job frame is followed by `files` data file fds
+/// (fd batches, [`send_fd_batches`]); the allocations' memory fds follow its [`Go`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Job {
-    /// The mapped size of each allocation whose memory fd follows.
+    /// The mapped size of each allocation whose memory fd follows the [`Go`].
     pub allocs: Vec<u64>,
     /// How many data file fds follow the memory fds.
     pub files: usize,
     /// What to copy, in file order.
     pub pieces: Vec<Piece>,
+}
+
+/// The second part of a job: the job's `allocs.len()` memory fds follow this frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Go {
+    pub memory: usize,
 }
 
 /// `len` bytes at `file_offset` of data file `file` into allocation `alloc` at
@@ -74,11 +86,19 @@ pub enum HelperMsg {
     /// Every piece is on the GPU.
     Done {
         bytes: u64,
+        /// From its Go to this reply.
         seconds: f64,
-        /// Importing and mapping the memory.
+        /// From its Go until the memory was imported and mapped.
         #[serde(default)]
         setup_s: f64,
+        /// From its job until its last stretch was pinned.
         register_s: f64,
+        /// From its job to its Go (the time it had to pin ahead).
+        #[serde(default)]
+        ahead_s: f64,
+        /// After its Go, waiting for stretches still being pinned.
+        #[serde(default)]
+        pin_wait_s: f64,
     },
     /// Nothing can be assumed about its pieces.
     Failed { message: String },
@@ -182,6 +202,42 @@ pub struct Helper {
     sock: UnixStream,
     /// Its context's start-up time, once it said Ready.
     pub init_s: Option<f64>,
+    /// The job sent ahead of the copy-in (by Warm with an image), waiting for its Go.
+    pub ahead: Option<Ahead>,
+}
+
+/// A job sent ahead: what the copy-in needs to send its [`Go`] and to know which chunks
+/// the helper has.
+pub struct Ahead {
+    /// The image's manifest id: a copy-in from another image cannot use the job.
+    pub image_id: String,
+    /// The chunks of the job, as (image allocation index, chunk index), in job order.
+    pub chunks: Vec<(usize, usize)>,
+    /// The device address and mapped size of each of the job's allocations, in job
+    /// order.
+    pub allocs: Vec<(u64, u64)>,
+    /// The job's bytes.
+    pub bytes: u64,
+    /// Writes the job (the helper reads it only once its context is up, and the frame
+    /// and fds may not fit the socket's buffer): joined before the Go.
+    sender: Option<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl Ahead {
+    pub fn new(
+        image_id: String,
+        chunks: Vec<(usize, usize)>,
+        allocs: Vec<(u64, u64)>,
+        bytes: u64,
+    ) -> Ahead {
+        Ahead {
+            image_id,
+            chunks,
+            allocs,
+            bytes,
+            sender: None,
+        }
+    }
 }
 
 impl Helpers {
@@ -214,9 +270,15 @@ impl Helpers {
                 child: Some(child),
                 sock: ours,
                 init_s: None,
+                ahead: None,
             });
         }
         Ok(Helpers { list })
+    }
+
+    /// The helpers, e.g. to send them jobs ahead.
+    pub fn list_mut(&mut self) -> &mut [Helper] {
+        &mut self.list
     }
 
     /// How many were spawned.
@@ -287,32 +349,57 @@ impl Helper {
         self.child.as_ref().map_or(0, Child::id)
     }
 
-    /// Sends `job` with its memory fds and data file fds.
-    pub fn send(
+    /// Sends `job` with its data file fds now (the copy-in's own job: the helper is
+    /// Ready and reading).
+    pub fn send_job(&mut self, job: &Job, files: &[impl AsFd]) -> Result<(), String> {
+        write_job(&mut self.sock, job, files)
+    }
+
+    /// Sends `job` ahead of the copy-in, from a thread (the helper may still be making
+    /// its context); `ahead` says what it holds.
+    pub fn send_job_ahead(
         &mut self,
-        job: &Job,
-        memory: &[OwnedFd],
-        files: &[impl AsFd],
+        job: Job,
+        files: Vec<OwnedFd>,
+        mut ahead: Ahead,
     ) -> Result<(), String> {
-        write_frame(&mut self.sock, job, MAX_FRAME).map_err(|e| format!("sending the job: {e}"))?;
-        self.sock.flush().map_err(|e| e.to_string())?;
-        send_fd_batches(&self.sock, memory).map_err(|e| format!("sending memory fds: {e}"))?;
-        send_fd_batches(&self.sock, files).map_err(|e| format!("sending file fds: {e}"))?;
+        let mut sock = self
+            .sock
+            .try_clone()
+            .map_err(|e| format!("cannot clone a helper socket: {e}"))?;
+        ahead.sender = Some(
+            std::thread::Builder::new()
+                .name("gpucr-helper-job".into())
+                .spawn(move || write_job(&mut sock, &job, &files))
+                .map_err(|e| format!("cannot start a thread: {e}"))?,
+        );
+        self.ahead = Some(ahead);
         Ok(())
     }
 
-    /// Waits for the job's outcome: `(seconds, setup_s, register_s)`.
-    pub fn wait_done(&mut self) -> Result<(f64, f64, f64), String> {
+    /// Sends the Go of the job sent (its memory fds, in the job's allocation order),
+    /// after the job itself has gone out.
+    pub fn go(&mut self, memory: &[OwnedFd]) -> Result<(), String> {
+        if let Some(sender) = self.ahead.as_mut().and_then(|a| a.sender.take()) {
+            sender
+                .join()
+                .map_err(|_| "the thread sending a job panicked".to_string())??;
+        }
+        let go = Go {
+            memory: memory.len(),
+        };
+        write_frame(&mut self.sock, &go, MAX_FRAME).map_err(|e| format!("sending Go: {e}"))?;
+        self.sock.flush().map_err(|e| e.to_string())?;
+        send_fd_batches(&self.sock, memory).map_err(|e| format!("sending memory fds: {e}"))
+    }
+
+    /// Waits for the job's outcome.
+    pub fn wait_done(&mut self) -> Result<HelperMsg, String> {
         self.sock
             .set_read_timeout(Some(JOB_DEADLINE))
             .map_err(|e| e.to_string())?;
         match self.recv()? {
-            HelperMsg::Done {
-                seconds,
-                setup_s,
-                register_s,
-                ..
-            } => Ok((seconds, setup_s, register_s)),
+            done @ HelperMsg::Done { .. } => Ok(done),
             HelperMsg::Failed { message } => Err(message),
             other => Err(format!("unexpected {other:?}")),
         }
@@ -335,6 +422,7 @@ impl Helper {
 
     fn let_go(mut self, grace: Duration) -> std::thread::JoinHandle<()> {
         let child = self.child.take();
+        let sender = self.ahead.as_mut().and_then(|a| a.sender.take());
         drop(self);
         std::thread::spawn(move || {
             let Some(mut child) = child else { return };
@@ -350,6 +438,10 @@ impl Helper {
             }
             let _ = child.kill();
             let _ = child.wait();
+            // With the helper gone its socket takes no more: the sender returns.
+            if let Some(sender) = sender {
+                let _ = sender.join();
+            }
         })
     }
 }
@@ -362,7 +454,17 @@ impl Drop for Helper {
             let _ = child.kill();
             let _ = child.wait();
         }
+        if let Some(sender) = self.ahead.as_mut().and_then(|a| a.sender.take()) {
+            let _ = sender.join();
+        }
     }
+}
+
+/// Writes a job frame and its data file fds.
+fn write_job(sock: &mut UnixStream, job: &Job, files: &[impl AsFd]) -> Result<(), String> {
+    write_frame(sock, job, MAX_FRAME).map_err(|e| format!("sending the job: {e}"))?;
+    sock.flush().map_err(|e| e.to_string())?;
+    send_fd_batches(sock, files).map_err(|e| format!("sending file fds: {e}"))
 }
 
 /// The helper's side of its socket: the fd in [`ENV_SOCKET_FD`].
@@ -384,11 +486,9 @@ pub fn say(sock: &mut UnixStream, msg: &HelperMsg) -> Result<(), String> {
     sock.flush().map_err(|e| e.to_string())
 }
 
-/// A job with its memory fds and data file fds.
-pub type Received = (Job, Vec<OwnedFd>, Vec<OwnedFd>);
-
-/// Receives one job with its fds (the helper's side); `None` when the hook closed.
-pub fn next_job(sock: &mut UnixStream) -> Result<Option<Received>, String> {
+/// Receives one job with its data file fds (the helper's side); `None` when the hook
+/// closed.
+pub fn next_job(sock: &mut UnixStream) -> Result<Option<(Job, Vec<OwnedFd>)>, String> {
     let buf = match read_frame(sock, MAX_FRAME) {
         Ok(buf) => buf,
         // Closed before a frame: no more jobs.
@@ -396,9 +496,28 @@ pub fn next_job(sock: &mut UnixStream) -> Result<Option<Received>, String> {
         Err(e) => return Err(format!("reading a job: {e}")),
     };
     let job: Job = serde_json::from_slice(&buf).map_err(|e| format!("bad job: {e}"))?;
-    let memory = recv_fd_batches(sock, job.allocs.len()).map_err(|e| e.to_string())?;
     let files = recv_fd_batches(sock, job.files).map_err(|e| e.to_string())?;
-    Ok(Some((job, memory, files)))
+    Ok(Some((job, files)))
+}
+
+/// Receives the Go of `job` with its memory fds (the helper's side); `None` when the
+/// hook closed instead (the copy-in will not use this helper).
+pub fn next_go(sock: &mut UnixStream, job: &Job) -> Result<Option<Vec<OwnedFd>>, String> {
+    let buf = match read_frame(sock, MAX_FRAME) {
+        Ok(buf) => buf,
+        Err(FrameError::Closed) => return Ok(None),
+        Err(e) => return Err(format!("reading Go: {e}")),
+    };
+    let go: Go = serde_json::from_slice(&buf).map_err(|e| format!("bad Go: {e}"))?;
+    if go.memory != job.allocs.len() {
+        return Err(format!(
+            "Go names {} memory fds for a job of {} allocations",
+            go.memory,
+            job.allocs.len()
+        ));
+    }
+    let memory = recv_fd_batches(sock, go.memory).map_err(|e| e.to_string())?;
+    Ok(Some(memory))
 }
 
 #[cfg(test)]
@@ -517,6 +636,8 @@ mod tests {
         };
         let back: Job = serde_json::from_str(&serde_json::to_string(&job).unwrap()).unwrap();
         assert_eq!(back, job);
+        let go: Go = serde_json::from_str(r#"{"memory":1}"#).unwrap();
+        assert_eq!(go, Go { memory: 1 });
         let ready: HelperMsg = serde_json::from_str(r#"{"reply":"Ready","init_s":0.5}"#).unwrap();
         assert_eq!(ready, HelperMsg::Ready { init_s: 0.5 });
         assert!(serde_json::from_str::<HelperMsg>(r#"{"reply":"Done"}"#).is_err());

@@ -80,8 +80,13 @@ pub enum Request {
         keep: bool,
     },
     /// Start the copy-in helpers now, ahead of the copy-in (their CUDA contexts take a
-    /// while; sent before the driver's restore). The state does not change.
-    Warm,
+    /// while; sent before the driver's restore). With `image_dir` (the image the
+    /// CopyIn will name) they also get their shares now and pin them ahead. The state
+    /// does not change.
+    Warm {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        image_dir: Option<PathBuf>,
+    },
     /// Create physical memory again at the same VAs.
     Remap,
     /// Map the memory kept since Release back at its addresses `held` (the reply's
@@ -148,7 +153,7 @@ impl Request {
             Request::WriteSnapshot { .. } => Verb::WriteSnapshot,
             Request::DropSnapshot => Verb::DropSnapshot,
             Request::Prepare { .. } => Verb::Prepare,
-            Request::Warm => Verb::Warm,
+            Request::Warm { .. } => Verb::Warm,
         }
     }
 }
@@ -325,15 +330,21 @@ pub struct HelperReport {
     pub pid: u32,
     /// Bytes it was given.
     pub bytes: u64,
-    /// From its job to its reply.
+    /// From its Go (the copy-in handing it the memory) to its reply.
     pub seconds: f64,
     /// Its context's start-up, from its spawn.
     pub init_s: f64,
-    /// From its job until the memory was imported and mapped.
+    /// From its Go until the memory was imported and mapped.
     #[serde(default)]
     pub setup_s: f64,
     /// From its job until its last stretch was pinned.
     pub register_s: f64,
+    /// From its job to its Go: how long it pinned ahead (0: the job came with the Go).
+    #[serde(default)]
+    pub ahead_s: f64,
+    /// After its Go, waiting for stretches still being pinned.
+    #[serde(default)]
+    pub pin_wait_s: f64,
     /// Why it failed (its share was staged after the others).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -344,6 +355,10 @@ pub struct HelperReport {
 pub struct WarmReport {
     /// Copy-in helpers now starting (0: none configured, or they could not start).
     pub helpers: usize,
+    /// Bytes of the image the helpers were given to pin ahead of the copy-in (0: no
+    /// image named, or the copy-in will not use helpers for it).
+    #[serde(default)]
+    pub ahead_bytes: u64,
 }
 
 /// The hook's state, for the shim and tools.
@@ -506,6 +521,10 @@ mod tests {
             parse_request(br#"{"verb":"Status"}"#).unwrap(),
             Request::Status
         );
+        // Warm without an image is the bare verb, as before.
+        let warm = Request::Warm { image_dir: None };
+        assert_eq!(serde_json::to_string(&warm).unwrap(), r#"{"verb":"Warm"}"#);
+        assert_eq!(parse_request(br#"{"verb":"Warm"}"#).unwrap(), warm);
         let reply = Reply::Ok(Outcome::Thawed);
         assert_eq!(serde_json::to_string(&reply).unwrap(), r#"{"ok":"Thawed"}"#);
     }

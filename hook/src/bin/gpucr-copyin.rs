@@ -1,18 +1,22 @@
 //! `gpucr-copyin`: a copy-in helper, started by the hook (see `gpucr_hook::helper`). It
-//! makes its own CUDA context on the hook's device, says Ready, and for each job maps the
-//! hook's allocations (imported memory fds), registers the job's stretches of the image's
-//! data files for DMA on 8 threads and copies each piece as soon as its stretch is
-//! registered. It replies before it unpins (the data is on the GPU by then).
+//! makes its own CUDA context on the hook's device, says Ready, and takes one job: it
+//! registers the job's stretches of the image's data files for DMA on 8 threads at once,
+//! and when the Go comes maps the hook's allocations (imported memory fds) and copies
+//! each piece as soon as its stretch is registered. It replies before it unpins (the
+//! data is on the GPU by then), and exits once the hook closes its socket.
 
 use std::ffi::{c_int, c_uint, c_void};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use gpucr_hook::cuda::CudaDriver;
 use gpucr_hook::driver::{DevicePtr, PhysHandle, VmmDriver};
-use gpucr_hook::helper::{helper_socket, next_job, say, stretches, HelperMsg, Job, ENV_DEVICE};
+use gpucr_hook::helper::{
+    helper_socket, next_go, next_job, say, stretches, HelperMsg, Job, ENV_DEVICE,
+};
 
 const REGISTRARS: usize = 8;
 const STREAMS: usize = 4;
@@ -42,14 +46,19 @@ fn run() -> Result<(), String> {
             init_s: t.elapsed().as_secs_f64(),
         },
     )?;
-    while let Some((job, memory, files)) = next_job(&mut sock)? {
+    // One job; the hook lets the helper go after it.
+    if let Some((job, files)) = next_job(&mut sock)? {
         let mut held = Held::default();
-        let msg = match copy(&driver, &job, &memory, &files, &mut held) {
-            Ok(msg) => msg,
-            Err(e) => HelperMsg::Failed { message: e },
-        };
-        say(&mut sock, &msg)?;
+        let reply = copy(&driver, &mut sock, &job, &files, &mut held);
+        match reply {
+            Ok(Some(msg)) => say(&mut sock, &msg)?,
+            // The hook closed before its Go: the copy-in does not use this helper.
+            Ok(None) => {}
+            Err(e) => say(&mut sock, &HelperMsg::Failed { message: e })?,
+        }
         held.release(&driver);
+        // Until the hook closes (it may still be reading the reply).
+        let _ = next_job(&mut sock);
     }
     driver.end_copies();
     Ok(())
@@ -129,14 +138,14 @@ impl Held {
     }
 }
 
-fn copy(
+/// Maps and imports the job's memory (`memory`, in job order) into `held`; the
+/// addresses.
+fn map_memory(
     driver: &CudaDriver,
     job: &Job,
     memory: &[OwnedFd],
-    files: &[OwnedFd],
     held: &mut Held,
-) -> Result<HelperMsg, String> {
-    let t = Instant::now();
+) -> Result<Vec<DevicePtr>, String> {
     let mut vas = Vec::with_capacity(memory.len());
     for (fd, &size) in memory.iter().zip(&job.allocs) {
         let handle = driver.import(fd.as_fd()).map_err(|e| e.to_string())?;
@@ -156,20 +165,35 @@ fn copy(
         driver.set_access(va, size).map_err(|e| e.to_string())?;
         vas.push(va);
     }
+    Ok(vas)
+}
+
+/// Pins the job's stretches from now on, and once the Go comes copies them; `None`
+/// when the hook closed instead of sending the Go.
+fn copy(
+    driver: &CudaDriver,
+    sock: &mut UnixStream,
+    job: &Job,
+    files: &[OwnedFd],
+    held: &mut Held,
+) -> Result<Option<HelperMsg>, String> {
+    let t_job = Instant::now();
     let sizes: Vec<u64> = files
         .iter()
         .map(|f| nix::sys::stat::fstat(f.as_fd()).map(|s| s.st_size as u64))
         .collect::<Result<_, _>>()
         .map_err(|e| format!("fstat of a data file: {e}"))?;
     let stretches = stretches(job, &sizes)?;
-    let setup_s = t.elapsed().as_secs_f64();
     // Registrars map (populated) and pin stretches in order; the copies follow them.
     let next = AtomicUsize::new(0);
     let ptrs: Vec<AtomicUsize> = stretches.iter().map(|_| AtomicUsize::new(0)).collect();
     let ready: Vec<AtomicBool> = stretches.iter().map(|_| AtomicBool::new(false)).collect();
     let failed = AtomicBool::new(false);
-    let mut register_s = 0.0;
-    let copied = std::thread::scope(|scope| -> Result<u64, String> {
+    // Nanoseconds from the job to the last registrar's end.
+    let pinned_ns = AtomicU64::new(0);
+    let mut timing = (0.0, 0.0, 0.0); // ahead_s, setup_s, pin_wait_s
+    let mut t_go = t_job;
+    let copied = std::thread::scope(|scope| -> Result<Option<u64>, String> {
         let registrars: Vec<_> = (0..REGISTRARS.min(stretches.len()))
             .map(|_| {
                 scope.spawn(|| -> Result<(), String> {
@@ -206,22 +230,51 @@ fn copy(
                             return Err(e.to_string());
                         }
                         ready[k].store(true, Ordering::Release);
+                        pinned_ns.fetch_max(t_job.elapsed().as_nanos() as u64, Ordering::Relaxed);
                     }
                 })
             })
             .collect();
+        let stop = |registrars: Vec<std::thread::ScopedJoinHandle<'_, Result<(), String>>>| {
+            failed.store(true, Ordering::Relaxed);
+            for r in registrars {
+                let _ = r.join();
+            }
+        };
+        let memory = match next_go(sock, job) {
+            Ok(Some(memory)) => memory,
+            Ok(None) => {
+                stop(registrars);
+                return Ok(None);
+            }
+            Err(e) => {
+                stop(registrars);
+                return Err(e);
+            }
+        };
+        t_go = Instant::now();
+        timing.0 = (t_go - t_job).as_secs_f64();
+        let vas = match map_memory(driver, job, &memory, held) {
+            Ok(vas) => vas,
+            Err(e) => {
+                stop(registrars);
+                return Err(e);
+            }
+        };
+        timing.1 = t_go.elapsed().as_secs_f64();
         let mut bytes = 0;
         let mut q = 0;
         let mut result = Ok(());
         'outer: for (k, s) in stretches.iter().enumerate() {
-            while !ready[k].load(Ordering::Acquire) {
-                if failed.load(Ordering::Relaxed) {
-                    break 'outer;
+            if !ready[k].load(Ordering::Acquire) {
+                let w = Instant::now();
+                while !ready[k].load(Ordering::Acquire) {
+                    if failed.load(Ordering::Relaxed) {
+                        break 'outer;
+                    }
+                    std::thread::yield_now();
                 }
-                std::thread::yield_now();
-            }
-            if k + 1 == stretches.len() {
-                register_s = t.elapsed().as_secs_f64();
+                timing.2 += w.elapsed().as_secs_f64();
             }
             // Pieces that follow each other in the file and in one allocation go as one
             // copy.
@@ -296,7 +349,7 @@ fn copy(
             let r = r.join().map_err(|_| "a registrar panicked".to_string())?;
             result = result.and(r);
         }
-        result.map(|()| bytes)
+        result.map(|()| Some(bytes))
     });
     // Every stretch mapped is unmapped by Held (and unpinned if pinned), also after a
     // failure.
@@ -307,11 +360,15 @@ fn copy(
                 .push((ptr, (s.end - s.start) as usize, r.load(Ordering::Acquire)));
         }
     }
-    let copied = copied?;
-    Ok(HelperMsg::Done {
+    let Some(copied) = copied? else {
+        return Ok(None);
+    };
+    Ok(Some(HelperMsg::Done {
         bytes: copied,
-        seconds: t.elapsed().as_secs_f64(),
-        setup_s,
-        register_s,
-    })
+        seconds: t_go.elapsed().as_secs_f64(),
+        setup_s: timing.1,
+        register_s: pinned_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        ahead_s: timing.0,
+        pin_wait_s: timing.2,
+    }))
 }
