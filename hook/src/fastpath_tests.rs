@@ -44,7 +44,7 @@ fn opts() -> FastPathOptions {
         snapshot_headroom: 0,
         copy_in_helpers: 0,
         helper_path: None,
-        helper_share: 0.4,
+        helper_share: None,
     }
 }
 
@@ -620,6 +620,11 @@ fn options_come_from_the_environment() {
     assert_eq!((o.image.threads, o.read_threads, o.streams), (12, 12, 8));
     assert!(!o.pin);
     assert!(!d.direct && d.direct_window == 2048 << 20);
+    // The helpers' share: by mode unless set.
+    assert_eq!((d.copy_in_helpers, d.helper_share), (0, None));
+    let h = FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "50")])).unwrap();
+    assert_eq!(h.helper_share, Some(0.5));
+    assert!(FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "150")])).is_err());
     assert_eq!(d.map_reads, MapReads::Off);
     for (v, want) in [
         ("0", MapReads::Off),
@@ -1877,7 +1882,7 @@ fn copy_in_helpers_that_fail_leave_their_share_to_the_staged_copy() {
         let s = with_device_hash(FastPathOptions {
             copy_in_helpers: n,
             helper_path: Some(helper.clone()),
-            helper_share: 0.5,
+            helper_share: Some(0.5),
             ..pipelined()
         });
         s.driver.set_device_ordinal(Some(0));
@@ -2039,7 +2044,7 @@ fn warm_with_the_image_sends_the_jobs_ahead_and_helpers_are_checked_on_the_devic
     let s = with_device_hash(FastPathOptions {
         copy_in_helpers: 2,
         helper_path: Some(helper),
-        helper_share: 0.5,
+        helper_share: Some(0.5),
         ..pipelined()
     });
     s.driver.set_device_ordinal(Some(0));
