@@ -16,7 +16,7 @@
 //! pinning at once, and a [`Go`] with the memory fds of the allocations the pieces land
 //! in (exported by the hook once its memory exists again, imported there and mapped),
 //! after which it copies. Warm with an image sends the jobs at once, so the pinning
-//! (the slow part, 0.3–0.5 s per 3 GiB on the H200) runs while the driver restores the
+//! (0.1–0.3 s per 2.6–6 GB on the H200) runs while the driver restores the
 //! process and the copy-in itself is DMA from pinned pages; without one, the copy-in
 //! sends Job and Go together. A helper replies Done or Failed; what a failed helper had
 //! is staged afterwards. Nothing a helper copies is trusted: only chunks with a gh1
