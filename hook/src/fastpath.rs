@@ -1724,23 +1724,23 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let Some(helpers) = slot.as_mut() else {
             return Ok(WarmReport::default());
         };
-        let mut report = WarmReport {
-            helpers: helpers.len(),
-            ahead_bytes: 0,
-        };
+        // A second Warm changes nothing: the same helpers, the same jobs.
         let sent: u64 = helpers
             .list_mut()
             .iter()
             .filter_map(|h| h.ahead.as_ref().map(|a| a.bytes))
             .sum();
-        report.ahead_bytes = match image_dir {
+        let ahead_bytes = match image_dir {
             Some(dir) if sent == 0 => self.send_ahead(helpers, dir).unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "copy-in helpers get their jobs at the copy-in");
                 0
             }),
             _ => sent,
         };
-        Ok(report)
+        Ok(WarmReport {
+            helpers: helpers.len(),
+            ahead_bytes,
+        })
     }
 
     fn spawn_helpers(&self) -> Option<Helpers> {
@@ -1947,7 +1947,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     None => {
                         tracing::info!(
                             pid = helper.pid(),
-                            "copy-in helper not used: its job was for another image"
+                            "copy-in helper not used: it has no job of this image"
                         );
                         lock(&self.reapers).push(helper.stop());
                     }
