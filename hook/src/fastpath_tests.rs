@@ -1891,8 +1891,9 @@ fn copy_in_helpers_that_fail_leave_their_share_to_the_staged_copy() {
         let image = root.path().join(format!("img-{n}"));
         s.fast.copy_out(&image, None).unwrap();
         s.fast.release(false).unwrap();
-        // The helpers get their jobs at the copy-in, or ahead with the image.
-        let ahead = (n == 2).then_some(image.as_path());
+        // The failing helpers get their jobs at the copy-in; the one never ready gets
+        // its job ahead (it is stopped with the job unread).
+        let ahead = (n == 1).then_some(image.as_path());
         let warm = s.fast.warm(ahead).unwrap();
         assert_eq!(warm.helpers, n);
         assert_eq!(warm.ahead_bytes > 0, ahead.is_some(), "{warm:?}");
