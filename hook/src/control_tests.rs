@@ -348,6 +348,18 @@ type Served = (
     Arc<Mutex<Controller<StubEngine>>>,
 );
 
+/// The paths the stub engine was given, in order.
+fn engine_paths(controller: &Mutex<Controller<StubEngine>>) -> Vec<PathBuf> {
+    controller
+        .lock()
+        .unwrap()
+        .engine()
+        .paths
+        .lock()
+        .unwrap()
+        .clone()
+}
+
 fn serve_stub() -> Served {
     serve_stub_with(StubEngine::default())
 }
@@ -465,7 +477,7 @@ fn copy_out_by_fd_resolves_inside_the_directory_and_holds_it_while_copied_out() 
     ok(client.call(&Request::Freeze).unwrap());
     ok(client.copy_out_fd(&dir, Path::new("1234"), None).unwrap());
     drop(dir);
-    let got = controller.lock().unwrap().engine().paths.lock().unwrap()[0].clone();
+    let got = engine_paths(&controller)[0].clone();
     assert!(
         got.starts_with("/proc/self/fd/") && got.ends_with("1234"),
         "{got:?}"
@@ -528,16 +540,7 @@ fn copy_in_by_fd_closes_the_fd_after_the_verb() {
     ok(client.call_with_fds(&warm, &[w.as_fd()]).unwrap());
     drop(w);
     assert!(!held(&mut r));
-    let warmed = controller
-        .lock()
-        .unwrap()
-        .engine()
-        .paths
-        .lock()
-        .unwrap()
-        .last()
-        .unwrap()
-        .clone();
+    let warmed = engine_paths(&controller).pop().unwrap();
     assert!(
         warmed.starts_with("/proc/self/fd/") && warmed.ends_with("img"),
         "{warmed:?}"
@@ -883,14 +886,7 @@ fn a_snapshot_sends_the_memory_and_the_snapshot_and_is_written_by_fd_after_the_t
     ok(client
         .write_snapshot_fd(&dir, Path::new("7"), Some(&parent))
         .unwrap());
-    let paths = controller
-        .lock()
-        .unwrap()
-        .engine()
-        .paths
-        .lock()
-        .unwrap()
-        .clone();
+    let paths = engine_paths(&controller);
     assert!(
         paths[0].starts_with("/proc/self/fd/") && paths[0].ends_with("7"),
         "{paths:?}"
