@@ -529,6 +529,36 @@ mod tests {
         assert_eq!(serde_json::to_string(&reply).unwrap(), r#"{"ok":"Thawed"}"#);
     }
 
+    /// A frame written to a peer that went away (a shim or helper gone) fails with EPIPE
+    /// and raises no SIGPIPE, whose default action would kill the workload the hook lives
+    /// in (C and Python programs keep it): std's `UnixStream` writes with MSG_NOSIGNAL.
+    /// Run in a child with SIGPIPE's default action.
+    #[test]
+    fn writes_to_a_closed_peer_fail_without_sigpipe() {
+        use nix::sys::signal::{signal, SigHandler, Signal};
+        use nix::sys::wait::{waitpid, WaitStatus};
+        use nix::unistd::{fork, ForkResult};
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        drop(theirs);
+        let frame = [0u8, 0, 0, 2, b'{', b'}'];
+        // SAFETY: the child makes only async-signal-safe calls (no allocation) and exits.
+        match unsafe { fork() }.unwrap() {
+            ForkResult::Child => {
+                let code = unsafe {
+                    let _ = signal(Signal::SIGPIPE, SigHandler::SigDfl);
+                    match (&ours).write_all(&frame) {
+                        Err(e) if e.raw_os_error() == Some(nix::libc::EPIPE) => 0,
+                        _ => 1,
+                    }
+                };
+                unsafe { nix::libc::_exit(code) }
+            }
+            ForkResult::Parent { child } => {
+                assert_eq!(waitpid(child, None).unwrap(), WaitStatus::Exited(child, 0));
+            }
+        }
+    }
+
     #[test]
     fn bad_requests_are_classified() {
         let kind = |b: &[u8]| parse_request(b).unwrap_err().kind;
