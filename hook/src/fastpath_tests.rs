@@ -1990,9 +1990,12 @@ fn fake_copyin_helper() {
             .unwrap();
         bytes += p.len;
     }
-    writeln!(log, "job {} {bytes}", job.pieces.len()).unwrap();
+    // One write per line: the helpers append to one log at once (O_APPEND).
+    log.write_all(format!("job {} {bytes}\n", job.pieces.len()).as_bytes())
+        .unwrap();
     let memory = next_go(&mut sock, &job).unwrap().unwrap();
-    writeln!(log, "go {}", memory.len()).unwrap();
+    log.write_all(format!("go {}\n", memory.len()).as_bytes())
+        .unwrap();
     let done = HelperMsg::Done {
         bytes,
         seconds: 0.0,
