@@ -1774,15 +1774,9 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if !self.opts.device_hash || !reader.has_gpu_hashes() || reader.direct_refusal().is_some() {
             return Ok(0);
         }
-        // Released memory: matched by address and size only, as the copy-in will.
+        // Released memory: matched as the copy-in will, but not mapped yet.
         let allocs = self.movable()?;
-        let mut plan = Vec::with_capacity(allocs.len());
-        for a in &allocs {
-            match reader.find(a.va, self.opts.pid) {
-                Some(id) if reader.allocations()[id.0].size == a.size => plan.push(id),
-                _ => return Err(FastPathError::NotInImage { va: a.va }),
-            }
-        }
+        let plan = self.plan_in_image(&reader, &allocs, true)?;
         let (work, targets) = Self::chunk_work(&reader, &allocs, &plan);
         let places = reader.raw_places(&work)?;
         let lens = Self::chunk_lens(&reader, &work);
@@ -2354,14 +2348,25 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         allocs: &[Allocation],
         exact: bool,
     ) -> Result<Vec<AllocId>, FastPathError> {
+        if let Some(alloc) = allocs.iter().find(|a| a.state != AllocState::Mapped) {
+            return Err(FastPathError::NotMapped {
+                va: alloc.va,
+                state: alloc.state,
+            });
+        }
+        self.plan_in_image(reader, allocs, exact)
+    }
+
+    /// The image allocation of each of `allocs` (by address, this process's, of the
+    /// same size), whatever their state; with `exact`, as in [`Self::match_image`].
+    fn plan_in_image(
+        &self,
+        reader: &ImageReader,
+        allocs: &[Allocation],
+        exact: bool,
+    ) -> Result<Vec<AllocId>, FastPathError> {
         let mut plan = Vec::with_capacity(allocs.len());
         for alloc in allocs {
-            if alloc.state != AllocState::Mapped {
-                return Err(FastPathError::NotMapped {
-                    va: alloc.va,
-                    state: alloc.state,
-                });
-            }
             let id = reader
                 .find(alloc.va, self.opts.pid)
                 .ok_or(FastPathError::NotInImage { va: alloc.va })?;
