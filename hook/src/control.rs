@@ -22,6 +22,7 @@ use std::thread::JoinHandle;
 use thiserror::Error;
 
 use crate::driver::DevicePtr;
+use crate::helper::AheadJob;
 use crate::protocol::{
     parse_request, read_frame, write_frame, CheckpointState, CopyInReport, CopyOutReport,
     ErrorKind, FrameError, HookStatus, MemoryReport, Outcome, PrepareReport, Reply, Request,
@@ -63,6 +64,15 @@ pub trait Engine: Send {
     /// Starts what the next copy-in (from `image_dir` when given) can use: its helpers,
     /// and with an image their shares pinned ahead; none by default.
     fn warm(&self, _image_dir: Option<&Path>) -> Result<WarmReport, Self::Error> {
+        Ok(WarmReport::default())
+    }
+    /// Takes over helpers the shim started and sent `jobs` (one socket each, in
+    /// order); by default they are let go (their sockets closed).
+    fn adopt_helpers(
+        &self,
+        _jobs: Vec<AheadJob>,
+        _socks: Vec<OwnedFd>,
+    ) -> Result<WarmReport, Self::Error> {
         Ok(WarmReport::default())
     }
 }
@@ -183,6 +193,23 @@ impl<E: Engine> Controller<E> {
                 return (Reply::error(ErrorKind::BadRequest, msg), Vec::new());
             }
             Request::Reattach { .. } => (req.clone(), Vec::new(), fds),
+            Request::Warm { image_dir, helpers } if !helpers.is_empty() => {
+                if image_dir.is_some() || helpers.len() != fds.len() {
+                    let msg = format!(
+                        "Warm with {} helper job(s) came with {} socket fd(s){}: send one \
+                         socket per job and no image",
+                        helpers.len(),
+                        fds.len(),
+                        if image_dir.is_some() {
+                            " and an image"
+                        } else {
+                            ""
+                        }
+                    );
+                    return (Reply::error(ErrorKind::BadRequest, msg), Vec::new());
+                }
+                (req.clone(), Vec::new(), fds)
+            }
             _ => match resolve_fd_paths(req, &fds) {
                 Ok(req) => (req, fds, Vec::new()),
                 Err(e) => {
@@ -270,7 +297,12 @@ impl<E: Engine> Controller<E> {
             Request::CopyOut { image_dir, parent } => {
                 Outcome::CopiedOut(e.copy_out(image_dir, parent.as_deref())?)
             }
-            Request::Warm { image_dir } => Outcome::Warmed(e.warm(image_dir.as_deref())?),
+            Request::Warm { image_dir, helpers } if helpers.is_empty() => {
+                Outcome::Warmed(e.warm(image_dir.as_deref())?)
+            }
+            Request::Warm { helpers, .. } => {
+                Outcome::Warmed(e.adopt_helpers(helpers.clone(), fds)?)
+            }
             Request::Remap => Outcome::Remapped(e.remap()?),
             Request::CopyIn { image_dir } => Outcome::CopiedIn(e.copy_in(image_dir)?),
             Request::Thaw => e.thaw().map(|()| Outcome::Thawed)?,
@@ -342,10 +374,12 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
         (
             Request::Warm {
                 image_dir: Some(image_dir),
+                helpers,
             },
             [dir],
-        ) => Ok(Request::Warm {
+        ) if helpers.is_empty() => Ok(Request::Warm {
             image_dir: Some(fd_path(dir, image_dir, "image_dir")?),
+            helpers: Vec::new(),
         }),
         (req, fds) => Err(bad(format!(
             "{:?} does not take {} fd(s) (CopyOut, WriteSnapshot and Prepare take 1 or 2, CopyIn and Warm with an image 1)",
@@ -455,10 +489,16 @@ fn serve_requests<E: Engine>(
         let (reply, out) = match recv_frame(&stream, MAX_FRAME) {
             Ok((bytes, mut fds)) => match parse_request(&bytes) {
                 Ok(req) => {
-                    if let Request::Reattach { held } = &req {
-                        // The memory fds follow the frame; read them all, also when too
-                        // many, so the stream stays at a frame boundary.
-                        match recv_fd_batches(&stream, held.len()) {
+                    let following = match &req {
+                        Request::Reattach { held } => held.len(),
+                        Request::Warm { helpers, .. } => helpers.len(),
+                        _ => 0,
+                    };
+                    if following > 0 {
+                        // The memory (or helper socket) fds follow the frame; read them
+                        // all, also when too many, so the stream stays at a frame
+                        // boundary.
+                        match recv_fd_batches(&stream, following) {
                             Ok(more) => fds.extend(more),
                             Err(e) => {
                                 tracing::debug!(error = %e, "control connection dropped");
@@ -714,6 +754,22 @@ impl ControlClient {
         };
         write_frame(&mut self.stream, &req, MAX_FRAME)?;
         send_fd_batches(&self.stream, fds)?;
+        Ok(self.read_reply()?.0)
+    }
+
+    /// Warm handing over helpers the caller started and sent `jobs`: their sockets
+    /// `socks`, in the same order, follow the frame (the hook gets its own copies).
+    pub fn warm_with_helpers(
+        &mut self,
+        jobs: Vec<AheadJob>,
+        socks: &[impl AsFd],
+    ) -> Result<Reply, ControlError> {
+        let req = Request::Warm {
+            image_dir: None,
+            helpers: jobs,
+        };
+        write_frame(&mut self.stream, &req, MAX_FRAME)?;
+        send_fd_batches(&self.stream, socks)?;
         Ok(self.read_reply()?.0)
     }
 

@@ -17,6 +17,8 @@ struct StubEngine {
     reattached: Mutex<usize>,
     /// A Prepare held (until CopyOut, Thaw or Snapshot).
     prepared: Mutex<bool>,
+    /// Helper sockets handed over by Warm, with their jobs.
+    adopted: Mutex<Vec<(AheadJob, OwnedFd)>>,
 }
 
 #[derive(Debug)]
@@ -175,6 +177,22 @@ impl Engine for StubEngine {
     fn drop_prepared(&self) {
         *self.prepared.lock().unwrap() = false;
     }
+    fn adopt_helpers(
+        &self,
+        jobs: Vec<AheadJob>,
+        socks: Vec<OwnedFd>,
+    ) -> Result<WarmReport, StubError> {
+        self.step(Verb::Warm)?;
+        let report = WarmReport {
+            helpers: jobs.len(),
+            ahead_bytes: jobs.iter().map(|j| j.bytes).sum(),
+        };
+        self.adopted
+            .lock()
+            .unwrap()
+            .extend(jobs.into_iter().zip(socks));
+        Ok(report)
+    }
     fn status(&self, state: CheckpointState) -> HookStatus {
         HookStatus {
             pid: 1,
@@ -214,7 +232,10 @@ fn request(verb: Verb) -> Request {
             image_dir: "/img".into(),
             parent: None,
         },
-        Verb::Warm => Request::Warm { image_dir: None },
+        Verb::Warm => Request::Warm {
+            image_dir: None,
+            helpers: Vec::new(),
+        },
     }
 }
 
@@ -525,6 +546,67 @@ fn copy_out_fds_are_closed_by_release_or_thaw_and_after_a_failure() {
     assert_eq!(controller.lock().unwrap().state(), CheckpointState::Frozen);
 }
 
+/// A restore's Warm hands over helpers the shim started: their sockets follow the frame,
+/// one per job, and the engine gets each with its job. A Warm naming both an image and
+/// helpers, or with a socket missing, is refused.
+#[test]
+fn warm_hands_over_the_shims_helpers_with_their_jobs() {
+    let (_sock, path, controller) = serve_stub();
+    let mut client = ControlClient::connect(&path).unwrap();
+    for req in [Verb::Freeze, Verb::CopyOut, Verb::Release] {
+        ok(client.call(&request(req)).unwrap());
+    }
+    let job = |bytes| AheadJob {
+        image_id: "ab".repeat(32),
+        chunks: vec![(0, 1), (0, 2)],
+        allocs: vec![(1 << 21, 4 << 20)],
+        bytes,
+    };
+    let (mut r1, w1) = pipe();
+    let (mut r2, w2) = pipe();
+    let warmed = ok(client
+        .warm_with_helpers(vec![job(5), job(7)], &[w1.as_fd(), w2.as_fd()])
+        .unwrap());
+    assert_eq!(
+        warmed,
+        Outcome::Warmed(WarmReport {
+            helpers: 2,
+            ahead_bytes: 12
+        })
+    );
+    drop((w1, w2));
+    // The engine holds the sockets (the helpers' ends stay open) with their jobs.
+    assert!(held(&mut r1) && held(&mut r2));
+    let adopted = controller
+        .lock()
+        .unwrap()
+        .engine()
+        .adopted
+        .lock()
+        .unwrap()
+        .len();
+    assert_eq!(adopted, 2);
+    assert_eq!(
+        controller.lock().unwrap().engine().adopted.lock().unwrap()[1].0,
+        job(7)
+    );
+    // An image and helpers together, or a job without its socket: refused.
+    let mut c = controller.lock().unwrap();
+    let both = Request::Warm {
+        image_dir: Some("img".into()),
+        helpers: vec![job(1)],
+    };
+    let (reply, _) = c.exchange(&both, vec![memfd()]);
+    assert_eq!(error_kind(reply), ErrorKind::BadRequest);
+    let short = Request::Warm {
+        image_dir: None,
+        helpers: vec![job(1), job(2)],
+    };
+    let (reply, _) = c.exchange(&short, vec![memfd()]);
+    assert_eq!(error_kind(reply), ErrorKind::BadRequest);
+    assert_eq!(c.engine().adopted.lock().unwrap().len(), 2);
+}
+
 #[test]
 fn copy_in_by_fd_closes_the_fd_after_the_verb() {
     let (_sock, path, controller) = serve_stub();
@@ -536,6 +618,7 @@ fn copy_in_by_fd_closes_the_fd_after_the_verb() {
     let (mut r, w) = pipe();
     let warm = Request::Warm {
         image_dir: Some("img".into()),
+        helpers: Vec::new(),
     };
     ok(client.call_with_fds(&warm, &[w.as_fd()]).unwrap());
     drop(w);

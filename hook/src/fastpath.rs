@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use gpu_state::image::gpuhash::{self, ChunkDigest};
 use gpu_state::image::{
     AllocId, AllocationTags, Compression, DirectChunk, DirectRegion, ImageError, ImageOptions,
-    ImageReader, ImageWriter, Location, MappedImage, NoDirect, RawPlace, StagedChunk, StagingPin,
+    ImageReader, ImageWriter, Location, MappedImage, NoDirect, StagedChunk, StagingPin,
     StagingPool,
 };
 use thiserror::Error;
@@ -29,7 +29,7 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
-use crate::helper::{split, Ahead, Helper, HelperMsg, Helpers, Job, Piece};
+use crate::helper::{plan_image_jobs, AheadJob, Helper, HelperMsg, Helpers};
 use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HelperReport, HookStatus,
@@ -1667,7 +1667,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 let (work, targets) = Self::chunk_work(&reader, &allocs, &plan);
                 // Helpers only take chunks the GPU check below covers.
                 let shared = if device_check {
-                    self.hand_out(&reader, &allocs, &plan, &work, &targets)
+                    self.hand_out(&reader, &allocs, &work)
                 } else {
                     self.let_helpers_go();
                     Shared::default()
@@ -1728,7 +1728,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         let sent: u64 = helpers
             .list_mut()
             .iter()
-            .filter_map(|h| h.ahead.as_ref().map(|a| a.bytes))
+            .filter_map(|h| h.ahead.as_ref().map(|a| a.job.bytes))
             .sum();
         let ahead_bytes = match image_dir {
             Some(dir) if sent == 0 => self.send_ahead(helpers, dir).unwrap_or_else(|e| {
@@ -1775,17 +1775,12 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             return Ok(0);
         }
         // Released memory: matched as the copy-in will, but not mapped yet.
-        let allocs = self.movable()?;
-        let plan = self.plan_in_image(&reader, &allocs, true)?;
-        let (work, targets) = Self::chunk_work(&reader, &allocs, &plan);
-        let places = reader.raw_places(&work)?;
-        let lens = Self::chunk_lens(&reader, &work);
+        self.plan_in_image(&reader, &self.movable()?, true)?;
         let share = self.opts.helper_share.unwrap_or(HELPER_SHARE_AHEAD);
-        let groups = split(&places, &lens, share, helpers.len());
-        let image_id = reader.manifest_hash().to_hex();
+        let jobs = plan_image_jobs(&reader, self.opts.pid, share, helpers.len())?;
         let files = reader.data_files();
         let mut sent = 0;
-        for (helper, group) in helpers.list_mut().iter_mut().zip(groups) {
+        for (helper, (job, desc)) in helpers.list_mut().iter_mut().zip(jobs) {
             if !fd_room(files.len()) {
                 tracing::info!(
                     fds = files.len(),
@@ -1793,15 +1788,6 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 );
                 break;
             }
-            let (job, job_allocs) = Self::job_for(
-                &group,
-                &work,
-                &targets,
-                &places,
-                &allocs,
-                &plan,
-                files.len(),
-            );
             let fds = match files
                 .iter()
                 .map(|f| f.try_clone().map(OwnedFd::from))
@@ -1813,10 +1799,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                     break;
                 }
             };
-            let bytes = group.iter().map(|&i| lens[i]).sum();
-            let chunks = group.iter().map(|&i| (work[i].0 .0, work[i].1)).collect();
-            let ahead = Ahead::new(image_id.clone(), chunks, job_allocs, bytes);
-            match helper.send_job_ahead(job, fds, ahead) {
+            let bytes = desc.bytes;
+            match helper.send_job_ahead(job, fds, desc) {
                 Ok(()) => sent += bytes,
                 Err(e) => {
                     tracing::warn!(pid = helper.pid(), error = %e, "copy-in job not sent ahead")
@@ -1829,6 +1813,31 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             "copy-in helpers pin their share ahead"
         );
         Ok(sent)
+    }
+
+    /// Takes over helpers the shim started and sent their jobs (a restore: see
+    /// [`crate::helper`]); any helpers of this process's own are stopped. Makes no CUDA
+    /// call.
+    pub fn adopt_helpers(
+        &self,
+        jobs: Vec<AheadJob>,
+        socks: Vec<OwnedFd>,
+    ) -> Result<WarmReport, FastPathError> {
+        let ahead_bytes = jobs.iter().map(|j| j.bytes).sum();
+        let helpers = Helpers::adopt(jobs, socks);
+        let report = WarmReport {
+            helpers: helpers.len(),
+            ahead_bytes,
+        };
+        if let Some(old) = lock(&self.helpers).replace(helpers) {
+            lock(&self.reapers).extend(old.stop());
+        }
+        tracing::info!(
+            helpers = report.helpers,
+            bytes = ahead_bytes,
+            "copy-in helpers of the shim's taken over"
+        );
+        Ok(report)
     }
 
     /// Lets any helpers go unused (reaped in the background, joined at the next freeze).
@@ -1845,57 +1854,16 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .collect()
     }
 
-    /// A helper's job for the work items `group` (raw chunks: `places` has each), and
-    /// the address and mapped size of each allocation it names, in job order.
-    fn job_for(
-        group: &[usize],
-        work: &[(AllocId, usize)],
-        targets: &[DevicePtr],
-        places: &[Option<RawPlace>],
-        allocs: &[Allocation],
-        plan: &[AllocId],
-        files: usize,
-    ) -> (Job, Vec<(u64, u64)>) {
-        let by_id: std::collections::HashMap<usize, &Allocation> =
-            plan.iter().zip(allocs).map(|(id, a)| (id.0, a)).collect();
-        let mut job = Job {
-            allocs: Vec::new(),
-            files,
-            pieces: Vec::with_capacity(group.len()),
-        };
-        let mut job_allocs = Vec::new();
-        let mut index_of = std::collections::HashMap::new();
-        for &i in group {
-            let alloc = by_id[&work[i].0 .0];
-            let a = *index_of.entry(alloc.va).or_insert_with(|| {
-                job.allocs.push(alloc.mapped_size);
-                job_allocs.push((alloc.va, alloc.mapped_size));
-                job.allocs.len() - 1
-            });
-            let place = places[i].expect("split hands out raw chunks only");
-            job.pieces.push(Piece {
-                alloc: a,
-                alloc_offset: targets[i] - alloc.va,
-                file: place.file,
-                file_offset: place.offset,
-                len: place.len,
-            });
-        }
-        (job, job_allocs)
-    }
-
-    /// Gives the ready helpers their shares of `work` (see [`crate::helper::split`]):
-    /// raw, gh1-hashed chunks of a tmpfs image, the memory they land in exported. Jobs
-    /// sent ahead (Warm with this image) are used as they are; otherwise each helper
-    /// gets its job now. Anything that does not work out leaves the chunks to the
-    /// staged copy.
+    /// Gives the ready helpers their shares of `work` (see [`plan_image_jobs`]): raw,
+    /// gh1-hashed chunks of a tmpfs image, the memory they land in exported. Jobs sent
+    /// ahead (by Warm with this image, or by the shim) are used as they are; otherwise
+    /// each helper gets its job now. Anything that does not work out leaves the chunks
+    /// to the staged copy.
     fn hand_out(
         &self,
         reader: &ImageReader,
         allocs: &[Allocation],
-        plan: &[AllocId],
         work: &[(AllocId, usize)],
-        targets: &[DevicePtr],
     ) -> Shared {
         let mut shared = Shared {
             taken: vec![false; work.len()],
@@ -1905,7 +1873,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             return shared;
         };
         let mut reapers = Vec::new();
-        let ready = if reader.direct_refusal().is_none() {
+        let mut ready = if reader.direct_refusal().is_none() {
             helpers.ready_now(&mut reapers)
         } else {
             reapers.extend(helpers.stop());
@@ -1915,88 +1883,38 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         if ready.is_empty() {
             return shared;
         }
-        let lens = Self::chunk_lens(reader, work);
-        let sent_ahead = ready.iter().any(|h| h.ahead.is_some());
-        // Each helper, its work items and its job's allocations (address, mapped size).
-        type Assigned = (Helper, Vec<usize>, Vec<(u64, u64)>);
-        let mut assigned: Vec<Assigned> = Vec::new();
-        if sent_ahead {
-            let image_id = reader.manifest_hash().to_hex();
-            let index: std::collections::HashMap<(usize, usize), usize> = work
-                .iter()
-                .enumerate()
-                .map(|(i, &(id, index))| ((id.0, index), i))
-                .collect();
-            for helper in ready {
-                let group = helper.ahead.as_ref().and_then(|a| {
-                    (a.image_id == image_id)
-                        .then(|| a.chunks.iter().map(|k| index.get(k).copied()).collect())
-                        .flatten()
-                });
-                match group {
-                    Some(group) => {
-                        let job_allocs = helper.ahead.as_ref().map(|a| a.allocs.clone());
-                        assigned.push((helper, group, job_allocs.unwrap_or_default()));
-                    }
-                    None => {
-                        tracing::info!(
-                            pid = helper.pid(),
-                            "copy-in helper not used: it has no job of this image"
-                        );
-                        lock(&self.reapers).push(helper.stop());
-                    }
-                }
-            }
-        } else {
-            let places = match reader.raw_places(work) {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(error = %e, "copy-in helpers not used");
-                    lock(&self.reapers).extend(ready.into_iter().map(Helper::stop));
-                    return shared;
-                }
-            };
-            let share = self.opts.helper_share.unwrap_or(HELPER_SHARE_AT_COPY_IN);
-            let groups = split(&places, &lens, share, ready.len());
-            let files = reader.data_files();
-            let mut ready = ready.into_iter();
-            for group in groups {
-                let Some(mut helper) = ready.next() else {
-                    break;
-                };
-                if !fd_room(files.len()) {
-                    tracing::info!(
-                        fds = files.len(),
-                        "copy-in helper not used: too close to the fd limit"
-                    );
-                    lock(&self.reapers).push(helper.stop());
-                    continue;
-                }
-                let (job, job_allocs) =
-                    Self::job_for(&group, work, targets, &places, allocs, plan, files.len());
-                if let Err(e) = helper.send_job(&job, &files) {
-                    tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
-                    lock(&self.reapers).push(helper.stop());
-                    continue;
-                }
-                assigned.push((helper, group, job_allocs));
-            }
-            lock(&self.reapers).extend(ready.map(Helper::stop));
+        if !ready.iter().any(|h| h.ahead.is_some()) {
+            ready = self.send_jobs_now(reader, ready);
         }
-        for (mut helper, group, job_allocs) in assigned {
-            match self.export_for(allocs, &job_allocs) {
-                Ok(fds) => {
-                    if let Err(e) = helper.go(&fds) {
-                        tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
-                        lock(&self.reapers).push(helper.stop());
-                        continue;
-                    }
-                }
-                Err(why) => {
-                    tracing::info!(pid = helper.pid(), reason = %why, "copy-in helper not used");
-                    lock(&self.reapers).push(helper.stop());
-                    continue;
-                }
+        let lens = Self::chunk_lens(reader, work);
+        let image_id = reader.manifest_hash().to_hex();
+        let index: std::collections::HashMap<(usize, usize), usize> = work
+            .iter()
+            .enumerate()
+            .map(|(i, &(id, index))| ((id.0, index), i))
+            .collect();
+        for mut helper in ready {
+            let job = helper.ahead.as_ref().map(|a| &a.job);
+            let group: Option<Vec<usize>> = job
+                .filter(|j| j.image_id == image_id)
+                .and_then(|j| j.chunks.iter().map(|k| index.get(k).copied()).collect());
+            let Some(group) = group else {
+                tracing::info!(
+                    pid = helper.pid(),
+                    "copy-in helper not used: it has no job of this image"
+                );
+                lock(&self.reapers).push(helper.stop());
+                continue;
+            };
+            let job_allocs = job.map(|j| j.allocs.clone()).unwrap_or_default();
+            let gone = match self.export_for(allocs, &job_allocs) {
+                Ok((fds, sizes)) => helper.go(&fds, &sizes).err(),
+                Err(why) => Some(why),
+            };
+            if let Some(why) = gone {
+                tracing::warn!(pid = helper.pid(), reason = %why, "copy-in helper not used");
+                lock(&self.reapers).push(helper.stop());
+                continue;
             }
             for &i in &group {
                 shared.taken[i] = true;
@@ -2007,13 +1925,51 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         shared
     }
 
-    /// The memory fds of a job's allocations (address and mapped size, in job order):
-    /// each exported, and as the job knows it.
+    /// Sends the ready helpers their jobs now (no job went ahead); those that got one.
+    fn send_jobs_now(&self, reader: &ImageReader, ready: Vec<Helper>) -> Vec<Helper> {
+        let share = self.opts.helper_share.unwrap_or(HELPER_SHARE_AT_COPY_IN);
+        let jobs = match plan_image_jobs(reader, self.opts.pid, share, ready.len()) {
+            Ok(jobs) => jobs,
+            Err(e) => {
+                tracing::warn!(error = %e, "copy-in helpers not used");
+                lock(&self.reapers).extend(ready.into_iter().map(Helper::stop));
+                return Vec::new();
+            }
+        };
+        let files = reader.data_files();
+        let mut with_jobs = Vec::new();
+        let mut ready = ready.into_iter();
+        for (job, desc) in jobs {
+            let Some(mut helper) = ready.next() else {
+                break;
+            };
+            if !fd_room(files.len()) {
+                tracing::info!(
+                    fds = files.len(),
+                    "copy-in helper not used: too close to the fd limit"
+                );
+                lock(&self.reapers).push(helper.stop());
+                continue;
+            }
+            match helper.send_job(&job, &files, desc) {
+                Ok(()) => with_jobs.push(helper),
+                Err(e) => {
+                    tracing::warn!(pid = helper.pid(), error = %e, "copy-in helper not used");
+                    lock(&self.reapers).push(helper.stop());
+                }
+            }
+        }
+        lock(&self.reapers).extend(ready.map(Helper::stop));
+        with_jobs
+    }
+
+    /// The memory fds of a job's allocations (address and size, in job order), each
+    /// exported and as the job knows it, and their mapped sizes.
     fn export_for(
         &self,
         allocs: &[Allocation],
         job_allocs: &[(u64, u64)],
-    ) -> Result<Vec<OwnedFd>, String> {
+    ) -> Result<(Vec<OwnedFd>, Vec<u64>), String> {
         if !fd_room(job_allocs.len()) {
             return Err(format!(
                 "{} fds would come too close to the fd limit",
@@ -2021,9 +1977,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             ));
         }
         let mut fds = Vec::with_capacity(job_allocs.len());
+        let mut sizes = Vec::with_capacity(job_allocs.len());
         for &(va, size) in job_allocs {
             match allocs.iter().find(|a| a.va == va) {
-                Some(a) if a.mapped_size == size => {}
+                Some(a) if a.size == size => sizes.push(a.mapped_size),
                 _ => return Err(format!("allocation {va:#x} is not as the job knows it")),
             }
             match self.allocator.export(va) {
@@ -2032,7 +1989,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 Err(e) => return Err(e.to_string()),
             }
         }
-        Ok(fds)
+        Ok((fds, sizes))
     }
 
     /// Maps the image's data files for the staged readers as `map_reads` says; whether
@@ -2541,6 +2498,13 @@ impl<D: VmmDriver + 'static> Engine for FastPath<D> {
     }
     fn warm(&self, image_dir: Option<&Path>) -> Result<WarmReport, FastPathError> {
         FastPath::warm(self, image_dir)
+    }
+    fn adopt_helpers(
+        &self,
+        jobs: Vec<AheadJob>,
+        socks: Vec<OwnedFd>,
+    ) -> Result<WarmReport, FastPathError> {
+        FastPath::adopt_helpers(self, jobs, socks)
     }
 
     fn drop_prepared(&self) {

@@ -1993,9 +1993,17 @@ fn fake_copyin_helper() {
     // One write per line: the helpers append to one log at once (O_APPEND).
     log.write_all(format!("job {} {bytes}\n", job.pieces.len()).as_bytes())
         .unwrap();
-    let memory = next_go(&mut sock, &job).unwrap().unwrap();
-    log.write_all(format!("go {}\n", memory.len()).as_bytes())
+    let (memory, sizes) = next_go(&mut sock, &job).unwrap().unwrap();
+    log.write_all(format!("go {} {sizes:?}\n", memory.len()).as_bytes())
         .unwrap();
+    if std::env::var_os("GPUCR_FAKE_HELPER_FAIL").is_some() {
+        let failed = HelperMsg::Failed {
+            message: "told to fail".into(),
+        };
+        say(&mut sock, &failed).unwrap();
+        let _ = next_job(&mut sock);
+        std::process::exit(0);
+    }
     let done = HelperMsg::Done {
         bytes,
         seconds: 0.0,
@@ -2011,14 +2019,24 @@ fn fake_copyin_helper() {
 
 /// A script that starts this test binary as a fake helper logging into `log`.
 fn fake_helper_script(dir: &Path, log: &Path) -> PathBuf {
+    fake_helper_script_as(dir, log, false)
+}
+
+/// As [`fake_helper_script`]; with `fail`, each helper says Failed after its Go.
+fn fake_helper_script_as(dir: &Path, log: &Path, fail: bool) -> PathBuf {
     let path = dir.join("fake-copyin");
     let exe = std::env::current_exe().unwrap();
     std::fs::write(
         &path,
         format!(
-            "#!/bin/bash\nexport GPUCR_FAKE_HELPER_LOG={}\nexec {} --exact \
+            "#!/bin/bash\nexport GPUCR_FAKE_HELPER_LOG={}\n{}exec {} --exact \
              fastpath::tests::fake_copyin_helper --test-threads=1 -q >/dev/null\n",
             log.display(),
+            if fail {
+                "export GPUCR_FAKE_HELPER_FAIL=1\n"
+            } else {
+                ""
+            },
             exe.display()
         ),
     )
@@ -2089,4 +2107,82 @@ fn warm_with_the_image_sends_the_jobs_ahead_and_helpers_are_checked_on_the_devic
         "a helper that copied nothing is caught: {err}"
     );
     assert_eq!(log_lines().matches("go ").count(), 2, "{}", log_lines());
+}
+
+/// A restore's helpers come from the shim: started before the hook answers, sent jobs
+/// planned from the image alone (`plan_image_jobs`), and handed over at Warm. The
+/// copy-in sends them only the Go, with the memory's mapped sizes (which the shim
+/// cannot know); a helper that fails has its share staged, and the memory is exact.
+#[test]
+fn helpers_the_shim_started_are_taken_over_and_a_failed_ones_share_is_staged() {
+    use crate::helper::{helper_command, plan_image_jobs, write_job, HelperDevice, ENV_SOCKET_FD};
+    let Some(root) = tmpfs_dir() else { return };
+    let bin = tempfile::tempdir().unwrap();
+    let log = bin.path().join("log");
+    let helper = fake_helper_script_as(bin.path(), &log, true);
+    let s = with_device_hash(pipelined());
+    let expected = populate_hashable(&s);
+    s.fast.freeze().unwrap();
+    let image = root.path().join("img");
+    s.fast.copy_out(&image, None).unwrap();
+    s.fast.release(false).unwrap();
+
+    // The shim's part: jobs from the image, helpers started, jobs written.
+    let reader = ImageReader::open(&image).unwrap();
+    let pid = reader.allocations()[0].tags.pid;
+    let jobs = plan_image_jobs(&reader, pid, 0.5, 2).unwrap();
+    assert_eq!(jobs.len(), 2);
+    let mut children = Vec::new();
+    let (mut descs, mut socks) = (Vec::new(), Vec::new());
+    for (job, desc) in jobs {
+        let uuid = HelperDevice::Uuid("GPU-00000000-0000-0000-0000-000000000000".into());
+        let (mut cmd, mut ours, theirs) = helper_command(&helper, &uuid).unwrap();
+        assert!(cmd.get_envs().any(|(k, _)| k == ENV_SOCKET_FD));
+        children.push(cmd.spawn().unwrap());
+        drop(theirs);
+        write_job(&mut ours, &job, &reader.data_files()).unwrap();
+        descs.push(desc);
+        socks.push(OwnedFd::from(ours));
+    }
+    let bytes: u64 = descs.iter().map(|d| d.bytes).sum();
+    let warm = s.fast.adopt_helpers(descs, socks).unwrap();
+    assert_eq!((warm.helpers, warm.ahead_bytes), (2, bytes));
+    // As in a restore, where they have had CRIU's restore to get ready.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .lines()
+        .count()
+        < 2
+    {
+        assert!(Instant::now() < deadline, "the helpers took no jobs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    s.fast.remap().unwrap();
+    let report = s.fast.copy_in(&image).unwrap();
+    // Both got their Go with the mapped sizes (the driver's granularity), then failed.
+    let mapped: Vec<u64> = s.allocator.table().iter().map(|a| a.mapped_size).collect();
+    let lines = std::fs::read_to_string(&log).unwrap();
+    let gos: Vec<&str> = lines.lines().filter(|l| l.starts_with("go ")).collect();
+    assert_eq!(gos.len(), 2, "{lines}");
+    for go in gos {
+        let sizes = go.split_once('[').unwrap().1.trim_end_matches(']');
+        for size in sizes.split(", ") {
+            assert!(mapped.contains(&size.parse().unwrap()), "{go} {mapped:?}");
+        }
+    }
+    assert_eq!(report.helpers.len(), 2, "{report:?}");
+    assert!(
+        report
+            .helpers
+            .iter()
+            .all(|h| h.error.as_deref() == Some("told to fail")),
+        "{report:?}"
+    );
+    s.fast.thaw().unwrap();
+    check_memory(&s.driver, &s.allocator, &expected);
+    for mut child in children {
+        assert!(child.wait().unwrap().success());
+    }
 }

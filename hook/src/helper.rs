@@ -11,7 +11,9 @@
 //! registered chunk costs one pass.
 //!
 //! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes
-//! a while). A helper's work comes in two parts: a [`Job`] — the pieces it copies
+//! a while), or — in a restore, where the hook first answers only after CRIU's restore —
+//! by the shim on the host before `runc restore`, which sends them their jobs itself
+//! ([`plan_image_jobs`]) and hands their sockets to the hook with Warm ([`AheadJob`]). A helper's work comes in two parts: a [`Job`] — the pieces it copies
 //! (chunk → allocation offset) with the image's data files as fds — which it starts
 //! pinning at once, and a [`Go`] with the memory fds of the allocations the pieces land
 //! in (exported by the hook once its memory exists again, imported there and mapped),
@@ -30,7 +32,7 @@ use std::path::Path;
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use gpu_state::image::RawPlace;
+use gpu_state::image::{AllocId, ImageError, ImageReader, RawPlace};
 use serde::{Deserialize, Serialize};
 
 use crate::control::{recv_fd_batches, send_fd_batches};
@@ -40,6 +42,9 @@ use crate::protocol::{read_frame, write_frame, FrameError};
 pub const ENV_SOCKET_FD: &str = "GPUCR_COPYIN_SOCKET_FD";
 /// The CUDA device ordinal the helper copies to (the hook's context's device).
 pub const ENV_DEVICE: &str = "GPUCR_COPYIN_DEVICE";
+/// Instead, the UUID of that device (`GPU-…`): a helper the shim starts on the host,
+/// where ordinals are not the container's.
+pub const ENV_DEVICE_UUID: &str = "GPUCR_COPYIN_DEVICE_UUID";
 /// Largest frame on a helper socket.
 pub const MAX_FRAME: u32 = 64 << 20;
 /// How long a copy-in waits for a helper's reply to its job.
@@ -50,7 +55,8 @@ const JOB_DEADLINE: Duration = Duration::from_secs(120);
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Job {
-    /// The mapped size of each allocation whose memory fd follows the [`Go`].
+    /// The size of each allocation (as the image records it) whose memory fd follows
+    /// the [`Go`]: no piece may reach past it.
     pub allocs: Vec<u64>,
     /// How many data file fds follow the memory fds.
     pub files: usize,
@@ -59,10 +65,29 @@ pub struct Job {
 }
 
 /// The second part of a job: the job's `allocs.len()` memory fds follow this frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Go {
     pub memory: usize,
+    /// The mapped size of each memory fd (the allocation's size rounded up to the
+    /// driver's granularity): only the hook knows it, and the job may come from the shim.
+    pub sizes: Vec<u64>,
+}
+
+/// What the copy-in must know of a job sent ahead (by the hook's Warm, or by the shim,
+/// which hands the helper's socket over with Warm): which chunks the helper copies and
+/// into which allocations.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AheadJob {
+    /// The image's manifest id: a copy-in from another image cannot use the job.
+    pub image_id: String,
+    /// The chunks of the job, as (image allocation index, chunk index), in job order.
+    pub chunks: Vec<(usize, usize)>,
+    /// The device address and size of each of the job's allocations, in job order.
+    pub allocs: Vec<(u64, u64)>,
+    /// The job's bytes.
+    pub bytes: u64,
 }
 
 /// `len` bytes at `file_offset` of data file `file` into allocation `alloc` at
@@ -190,6 +215,41 @@ pub fn stretches(job: &Job, sizes: &[u64]) -> Result<Vec<Stretch>, String> {
     Ok(out)
 }
 
+/// The device a helper copies to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelperDevice {
+    /// The hook's context's ordinal (a helper of the hook's, in the container).
+    Ordinal(i32),
+    /// The GPU's UUID (a helper of the shim's, on the host).
+    Uuid(String),
+}
+
+/// The command that starts helper `path` for `device`, our end of its socket, and its
+/// end: inherited by the helper (no close-on-exec), to be dropped once it is spawned.
+pub fn helper_command(
+    path: &Path,
+    device: &HelperDevice,
+) -> Result<(Command, UnixStream, OwnedFd), String> {
+    let (ours, theirs) = UnixStream::pair().map_err(|e| format!("socketpair for a helper: {e}"))?;
+    let theirs = OwnedFd::from(theirs);
+    // The helper's end is inherited by clearing its close-on-exec here rather than in a
+    // pre_exec hook: without one, std spawns with posix_spawn (no fork of a process that
+    // may map hundreds of GiB) and no atfork handler runs.
+    let flags = nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_GETFD)
+        .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
+    let flags = nix::fcntl::FdFlag::from_bits_truncate(flags) - nix::fcntl::FdFlag::FD_CLOEXEC;
+    nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_SETFD(flags))
+        .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
+    let mut cmd = Command::new(path);
+    cmd.env(ENV_SOCKET_FD, theirs.as_raw_fd().to_string())
+        .stdin(std::process::Stdio::null());
+    match device {
+        HelperDevice::Ordinal(n) => cmd.env(ENV_DEVICE, n.to_string()),
+        HelperDevice::Uuid(u) => cmd.env(ENV_DEVICE_UUID, u),
+    };
+    Ok((cmd, ours, theirs))
+}
+
 /// Helpers spawned for one copy-in.
 pub struct Helpers {
     list: Vec<Helper>,
@@ -197,7 +257,7 @@ pub struct Helpers {
 
 /// One helper process and its socket.
 pub struct Helper {
-    /// `None` once let go.
+    /// `None` once let go, or when the shim started it (the shim reaps it).
     child: Option<Child>,
     sock: UnixStream,
     /// Its context's start-up time, once it said Ready.
@@ -206,38 +266,82 @@ pub struct Helper {
     pub ahead: Option<Ahead>,
 }
 
-/// A job sent ahead: what the copy-in needs to send its [`Go`] and to know which chunks
-/// the helper has.
+/// A job sent: what it holds, and the thread still writing it.
 pub struct Ahead {
-    /// The image's manifest id: a copy-in from another image cannot use the job.
-    pub image_id: String,
-    /// The chunks of the job, as (image allocation index, chunk index), in job order.
-    pub chunks: Vec<(usize, usize)>,
-    /// The device address and mapped size of each of the job's allocations, in job
-    /// order.
-    pub allocs: Vec<(u64, u64)>,
-    /// The job's bytes.
-    pub bytes: u64,
+    pub job: AheadJob,
     /// Writes the job (the helper reads it only once its context is up, and the frame
     /// and fds may not fit the socket's buffer): joined before the Go.
     sender: Option<std::thread::JoinHandle<Result<(), String>>>,
 }
 
 impl Ahead {
-    pub fn new(
-        image_id: String,
-        chunks: Vec<(usize, usize)>,
-        allocs: Vec<(u64, u64)>,
-        bytes: u64,
-    ) -> Ahead {
-        Ahead {
-            image_id,
-            chunks,
-            allocs,
-            bytes,
-            sender: None,
-        }
+    /// A job already written in full.
+    pub fn sent(job: AheadJob) -> Ahead {
+        Ahead { job, sender: None }
     }
+}
+
+/// The helpers' jobs for a copy-in of every allocation of `pid` in `reader` (a copy-in
+/// matches the image exactly): [`split`] of their raw chunks with a gh1 digest, `share`
+/// of all their bytes over `n` helpers, each job with what the copy-in needs to know of
+/// it. The shim plans a restore's jobs with this before the hook answers, and the hook
+/// its own: the same split either way.
+pub fn plan_image_jobs(
+    reader: &ImageReader,
+    pid: Option<u32>,
+    share: f64,
+    n: usize,
+) -> Result<Vec<(Job, AheadJob)>, ImageError> {
+    let allocations = reader.allocations();
+    let work: Vec<(AllocId, usize)> = allocations
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.tags.pid == pid)
+        .flat_map(|(i, a)| (0..a.chunks.len()).map(move |k| (AllocId(i), k)))
+        .collect();
+    let places = reader.raw_places(&work)?;
+    let lens: Vec<u64> = work
+        .iter()
+        .map(|&(id, k)| allocations[id.0].chunks[k].len)
+        .collect();
+    let image_id = reader.manifest_hash().to_hex();
+    let files = reader.data_files().len();
+    let mut jobs = Vec::new();
+    for group in split(&places, &lens, share, n) {
+        let mut job = Job {
+            allocs: Vec::new(),
+            files,
+            pieces: Vec::with_capacity(group.len()),
+        };
+        let mut ahead = AheadJob {
+            image_id: image_id.clone(),
+            chunks: Vec::with_capacity(group.len()),
+            allocs: Vec::new(),
+            bytes: 0,
+        };
+        let mut index_of = std::collections::HashMap::new();
+        for i in group {
+            let (id, k) = work[i];
+            let alloc = &allocations[id.0];
+            let a = *index_of.entry(id.0).or_insert_with(|| {
+                job.allocs.push(alloc.size);
+                ahead.allocs.push((alloc.va, alloc.size));
+                job.allocs.len() - 1
+            });
+            let place = places[i].expect("split hands out raw chunks only");
+            job.pieces.push(Piece {
+                alloc: a,
+                alloc_offset: alloc.chunks[k].offset,
+                file: place.file,
+                file_offset: place.offset,
+                len: place.len,
+            });
+            ahead.chunks.push((id.0, k));
+            ahead.bytes += lens[i];
+        }
+        jobs.push((job, ahead));
+    }
+    Ok(jobs)
 }
 
 impl Helpers {
@@ -246,23 +350,10 @@ impl Helpers {
     pub fn spawn(path: &Path, n: usize, device: i32) -> Result<Helpers, String> {
         let mut list = Vec::with_capacity(n);
         for _ in 0..n {
-            let (ours, theirs) =
-                UnixStream::pair().map_err(|e| format!("socketpair for a helper: {e}"))?;
-            let fd = theirs.as_raw_fd();
-            // The helper's end is inherited by clearing its close-on-exec here rather than
-            // in a pre_exec hook: without one, std spawns with posix_spawn (no fork of a
-            // process that may map hundreds of GiB) and no atfork handler runs.
-            let flags = nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_GETFD)
-                .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
-            let flags =
-                nix::fcntl::FdFlag::from_bits_truncate(flags) - nix::fcntl::FdFlag::FD_CLOEXEC;
-            nix::fcntl::fcntl(&theirs, nix::fcntl::FcntlArg::F_SETFD(flags))
-                .map_err(|e| format!("fcntl on a helper socket: {e}"))?;
-            let child = Command::new(path)
+            let (mut cmd, ours, theirs) = helper_command(path, &HelperDevice::Ordinal(device))?;
+            // The hook's preload is not inherited (a helper's CUDA calls are its own).
+            let child = cmd
                 .env_remove("LD_PRELOAD")
-                .env(ENV_SOCKET_FD, fd.to_string())
-                .env(ENV_DEVICE, device.to_string())
-                .stdin(std::process::Stdio::null())
                 .spawn()
                 .map_err(|e| format!("cannot start the copy-in helper {}: {e}", path.display()))?;
             drop(theirs);
@@ -274,6 +365,22 @@ impl Helpers {
             });
         }
         Ok(Helpers { list })
+    }
+
+    /// Helpers the shim started and sent their jobs (`jobs[i]` is what socket `socks[i]`'s
+    /// helper holds); they are the shim's children and say Ready to this process.
+    pub fn adopt(jobs: Vec<AheadJob>, socks: Vec<OwnedFd>) -> Helpers {
+        let list = jobs
+            .into_iter()
+            .zip(socks)
+            .map(|(job, sock)| Helper {
+                child: None,
+                sock: UnixStream::from(sock),
+                init_s: None,
+                ahead: Some(Ahead::sent(job)),
+            })
+            .collect();
+        Helpers { list }
     }
 
     /// The helpers, e.g. to send them jobs ahead.
@@ -345,14 +452,22 @@ impl Helper {
         serde_json::from_slice(&buf).map_err(|e| format!("bad message: {e}"))
     }
 
+    /// Its pid; 0 for a helper of the shim's.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
     }
 
     /// Sends `job` with its data file fds now (the copy-in's own job: the helper is
     /// Ready and reading).
-    pub fn send_job(&mut self, job: &Job, files: &[impl AsFd]) -> Result<(), String> {
-        write_job(&mut self.sock, job, files)
+    pub fn send_job(
+        &mut self,
+        job: &Job,
+        files: &[impl AsFd],
+        desc: AheadJob,
+    ) -> Result<(), String> {
+        write_job(&mut self.sock, job, files)?;
+        self.ahead = Some(Ahead::sent(desc));
+        Ok(())
     }
 
     /// Sends `job` ahead of the copy-in, from a thread (the helper may still be making
@@ -361,12 +476,13 @@ impl Helper {
         &mut self,
         job: Job,
         files: Vec<OwnedFd>,
-        mut ahead: Ahead,
+        desc: AheadJob,
     ) -> Result<(), String> {
         let mut sock = self
             .sock
             .try_clone()
             .map_err(|e| format!("cannot clone a helper socket: {e}"))?;
+        let mut ahead = Ahead::sent(desc);
         ahead.sender = Some(
             std::thread::Builder::new()
                 .name("gpucr-helper-job".into())
@@ -377,9 +493,9 @@ impl Helper {
         Ok(())
     }
 
-    /// Sends the Go of the job sent (its memory fds, in the job's allocation order),
-    /// after the job itself has gone out.
-    pub fn go(&mut self, memory: &[OwnedFd]) -> Result<(), String> {
+    /// Sends the Go of the job sent (its memory fds and their mapped sizes, in the
+    /// job's allocation order), after the job itself has gone out.
+    pub fn go(&mut self, memory: &[OwnedFd], sizes: &[u64]) -> Result<(), String> {
         if let Some(sender) = self.ahead.as_mut().and_then(|a| a.sender.take()) {
             sender
                 .join()
@@ -387,6 +503,7 @@ impl Helper {
         }
         let go = Go {
             memory: memory.len(),
+            sizes: sizes.to_vec(),
         };
         write_frame(&mut self.sock, &go, MAX_FRAME).map_err(|e| format!("sending Go: {e}"))?;
         self.sock.flush().map_err(|e| e.to_string())?;
@@ -461,7 +578,7 @@ impl Drop for Helper {
 }
 
 /// Writes a job frame and its data file fds.
-fn write_job(sock: &mut UnixStream, job: &Job, files: &[impl AsFd]) -> Result<(), String> {
+pub fn write_job(sock: &mut UnixStream, job: &Job, files: &[impl AsFd]) -> Result<(), String> {
     write_frame(sock, job, MAX_FRAME).map_err(|e| format!("sending the job: {e}"))?;
     sock.flush().map_err(|e| e.to_string())?;
     send_fd_batches(sock, files).map_err(|e| format!("sending file fds: {e}"))
@@ -473,7 +590,7 @@ pub fn helper_socket() -> Result<UnixStream, String> {
         .ok()
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| {
-            format!("{ENV_SOCKET_FD} is not set: gpucr-copyin is started by the hook")
+            format!("{ENV_SOCKET_FD} is not set: gpucr-copyin is started by the hook or the shim")
         })?;
     // SAFETY: the hook passed this fd to us for this purpose; nothing else owns it.
     let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
@@ -500,24 +617,34 @@ pub fn next_job(sock: &mut UnixStream) -> Result<Option<(Job, Vec<OwnedFd>)>, St
     Ok(Some((job, files)))
 }
 
-/// Receives the Go of `job` with its memory fds (the helper's side); `None` when the
-/// hook closed instead (the copy-in will not use this helper).
-pub fn next_go(sock: &mut UnixStream, job: &Job) -> Result<Option<Vec<OwnedFd>>, String> {
+/// Receives the Go of `job` with its memory fds and their mapped sizes (the helper's
+/// side); `None` when the hook closed instead (the copy-in will not use this helper).
+pub fn next_go(
+    sock: &mut UnixStream,
+    job: &Job,
+) -> Result<Option<(Vec<OwnedFd>, Vec<u64>)>, String> {
     let buf = match read_frame(sock, MAX_FRAME) {
         Ok(buf) => buf,
         Err(FrameError::Closed) => return Ok(None),
         Err(e) => return Err(format!("reading Go: {e}")),
     };
     let go: Go = serde_json::from_slice(&buf).map_err(|e| format!("bad Go: {e}"))?;
-    if go.memory != job.allocs.len() {
+    let memory = recv_fd_batches(sock, go.memory).map_err(|e| e.to_string())?;
+    if go.memory != job.allocs.len() || go.sizes.len() != go.memory {
         return Err(format!(
-            "Go names {} memory fds for a job of {} allocations",
+            "Go names {} memory fds and {} sizes for a job of {} allocations",
             go.memory,
+            go.sizes.len(),
             job.allocs.len()
         ));
     }
-    let memory = recv_fd_batches(sock, go.memory).map_err(|e| e.to_string())?;
-    Ok(Some(memory))
+    if let Some(i) = (0..go.memory).find(|&i| go.sizes[i] < job.allocs[i]) {
+        return Err(format!(
+            "memory fd {i} maps {} bytes, less than its allocation's {}",
+            go.sizes[i], job.allocs[i]
+        ));
+    }
+    Ok(Some((memory, go.sizes)))
 }
 
 #[cfg(test)]
@@ -636,8 +763,14 @@ mod tests {
         };
         let back: Job = serde_json::from_str(&serde_json::to_string(&job).unwrap()).unwrap();
         assert_eq!(back, job);
-        let go: Go = serde_json::from_str(r#"{"memory":1}"#).unwrap();
-        assert_eq!(go, Go { memory: 1 });
+        let go: Go = serde_json::from_str(r#"{"memory":1,"sizes":[2097152]}"#).unwrap();
+        assert_eq!(
+            go,
+            Go {
+                memory: 1,
+                sizes: vec![2 << 20]
+            }
+        );
         let ready: HelperMsg = serde_json::from_str(r#"{"reply":"Ready","init_s":0.5}"#).unwrap();
         assert_eq!(ready, HelperMsg::Ready { init_s: 0.5 });
         assert!(serde_json::from_str::<HelperMsg>(r#"{"reply":"Done"}"#).is_err());

@@ -47,9 +47,11 @@ use thiserror::Error;
 
 use crate::alloc::Unsupported;
 use crate::gate::GateState;
+use crate::helper::AheadJob;
 
-/// Largest request frame the hook accepts (requests carry two paths at most).
-pub const MAX_FRAME: u32 = 64 << 10;
+/// Largest request frame the hook accepts (a Warm handing over helpers lists their
+/// chunks: a few bytes per 16 MiB chunk).
+pub const MAX_FRAME: u32 = 4 << 20;
 /// Most fds one request may carry (CopyOut, Prepare: the image's directory and its parent).
 pub const MAX_FDS: usize = 2;
 /// Largest reply frame (a Status lists every unsupported allocation).
@@ -81,11 +83,15 @@ pub enum Request {
     },
     /// Start the copy-in helpers now, ahead of the copy-in (their CUDA contexts take a
     /// while; sent before the driver's restore). With `image_dir` (the image the
-    /// CopyIn will name) they also get their shares now and pin them ahead. The state
-    /// does not change.
+    /// CopyIn will name) they also get their shares now and pin them ahead. With
+    /// `helpers` (no image), the caller started the helpers and sent them these jobs:
+    /// their sockets follow the frame in fd batches, one per job, and the hook uses them
+    /// instead of its own. The state does not change.
     Warm {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         image_dir: Option<PathBuf>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        helpers: Vec<AheadJob>,
     },
     /// Create physical memory again at the same VAs.
     Remap,
@@ -522,7 +528,10 @@ mod tests {
             Request::Status
         );
         // Warm without an image is the bare verb, as before.
-        let warm = Request::Warm { image_dir: None };
+        let warm = Request::Warm {
+            image_dir: None,
+            helpers: Vec::new(),
+        };
         assert_eq!(serde_json::to_string(&warm).unwrap(), r#"{"verb":"Warm"}"#);
         assert_eq!(parse_request(br#"{"verb":"Warm"}"#).unwrap(), warm);
         let reply = Reply::Ok(Outcome::Thawed);

@@ -15,7 +15,7 @@ use std::time::Instant;
 use gpucr_hook::cuda::CudaDriver;
 use gpucr_hook::driver::{DevicePtr, PhysHandle, VmmDriver};
 use gpucr_hook::helper::{
-    helper_socket, next_go, next_job, say, stretches, HelperMsg, Job, ENV_DEVICE,
+    helper_socket, next_go, next_job, say, stretches, HelperMsg, Job, ENV_DEVICE, ENV_DEVICE_UUID,
 };
 
 const REGISTRARS: usize = 8;
@@ -68,10 +68,21 @@ type FnInit = unsafe extern "C" fn(c_uint) -> c_int;
 type FnDeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
 type FnRetain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
 type FnSetCurrent = unsafe extern "C" fn(*mut c_void) -> c_int;
+type FnDeviceGetCount = unsafe extern "C" fn(*mut c_int) -> c_int;
+type FnDeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> c_int;
 
-/// The primary context of device [`ENV_DEVICE`] made current, and the driver over it.
+/// The primary context of the device made current (the one whose UUID is
+/// [`ENV_DEVICE_UUID`] — a helper of the shim's, on the host — else ordinal
+/// [`ENV_DEVICE`], the hook's), and the driver over it.
 fn init() -> Result<CudaDriver, String> {
-    let ordinal: c_int = std::env::var(ENV_DEVICE)
+    let uuid = match std::env::var(ENV_DEVICE_UUID) {
+        Ok(text) => Some(
+            gpu_state::GpuUuid::parse(&text)
+                .ok_or_else(|| format!("{ENV_DEVICE_UUID}={text} is not a GPU UUID"))?,
+        ),
+        Err(_) => None,
+    };
+    let mut ordinal: c_int = std::env::var(ENV_DEVICE)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
@@ -94,6 +105,25 @@ fn init() -> Result<CudaDriver, String> {
         let rc = cu_init(0);
         if rc != 0 {
             return Err(format!("cuInit failed: {rc}"));
+        }
+        if let Some(uuid) = uuid {
+            let count: libloading::Symbol<FnDeviceGetCount> = lib
+                .get(b"cuDeviceGetCount")
+                .map_err(|_| sym("cuDeviceGetCount"))?;
+            let get_uuid: libloading::Symbol<FnDeviceGetUuid> = lib
+                .get(b"cuDeviceGetUuid")
+                .map_err(|_| sym("cuDeviceGetUuid"))?;
+            let mut n = 0;
+            let rc = count(&mut n);
+            if rc != 0 {
+                return Err(format!("cuDeviceGetCount failed: {rc}"));
+            }
+            ordinal = (0..n)
+                .find(|&i| {
+                    let mut bytes = [0u8; 16];
+                    get_uuid(&mut bytes, i) == 0 && bytes == uuid.0
+                })
+                .ok_or_else(|| format!("no device of {n} has UUID {uuid}"))?;
         }
         let mut dev = 0;
         let rc = device_get(&mut dev, ordinal);
@@ -138,16 +168,16 @@ impl Held {
     }
 }
 
-/// Maps and imports the job's memory (`memory`, in job order) into `held`; the
-/// addresses.
+/// Imports the job's memory (`memory`, in job order, each mapping `sizes` bytes) and
+/// maps it into `held`; the addresses.
 fn map_memory(
     driver: &CudaDriver,
-    job: &Job,
     memory: &[OwnedFd],
+    sizes: &[u64],
     held: &mut Held,
 ) -> Result<Vec<DevicePtr>, String> {
     let mut vas = Vec::with_capacity(memory.len());
-    for (fd, &size) in memory.iter().zip(&job.allocs) {
+    for (fd, &size) in memory.iter().zip(sizes) {
         let handle = driver.import(fd.as_fd()).map_err(|e| e.to_string())?;
         let va = match driver.reserve(size, None) {
             Ok(va) => va,
@@ -241,8 +271,8 @@ fn copy(
                 let _ = r.join();
             }
         };
-        let memory = match next_go(sock, job) {
-            Ok(Some(memory)) => memory,
+        let (memory, sizes) = match next_go(sock, job) {
+            Ok(Some(go)) => go,
             Ok(None) => {
                 stop(registrars);
                 return Ok(None);
@@ -254,7 +284,7 @@ fn copy(
         };
         t_go = Instant::now();
         timing.0 = (t_go - t_job).as_secs_f64();
-        let vas = match map_memory(driver, job, &memory, held) {
+        let vas = match map_memory(driver, &memory, &sizes, held) {
             Ok(vas) => vas,
             Err(e) => {
                 stop(registrars);
