@@ -28,6 +28,7 @@ use crate::{
         ExitCell, ExitInfo,
     },
     reaper::Spawner,
+    restore_helpers::RestoreHelpers,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
 };
 
@@ -310,12 +311,26 @@ impl Container {
         if let Some(w) = &r.checkpoint.work_path {
             std::fs::create_dir_all(w).ctx(|| format!("creating {}", w.display()))?;
         }
+        // Started now: they pin their shares of the image while CRIU restores.
+        let mut helpers = match HookRecord::load(&r.checkpoint.image_path) {
+            Ok(Some(record)) => Some(RestoreHelpers::start(
+                &self.id,
+                &r.checkpoint.image_path,
+                &self.bundle,
+                &record,
+                &self.runc.spawner,
+            )),
+            _ => None,
+        };
         let res = async {
             self.runc.restore(&self.id, &r, child).await?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
             let image = &r.checkpoint.image_path;
-            if let Err(e) = self.fit_restored(pid, image, gpu_pairs, gpu_expected).await {
+            let fitted = self
+                .fit_restored(pid, image, gpu_pairs, gpu_expected, &mut helpers)
+                .await;
+            if let Err(e) = fitted {
                 // Kill the half-restored tree before it is deleted below.
                 let _ = nix::sys::signal::kill(
                     nix::unistd::Pid::from_raw(pid as i32),
@@ -326,6 +341,9 @@ impl Container {
             Ok::<_, Error>((pid, io))
         }
         .await;
+        if let Some(helpers) = helpers {
+            helpers.finish().await;
+        }
         match res {
             Ok(v) => {
                 tracing::info!(id = %self.id, image = %r.checkpoint.image_path.display(),
@@ -364,6 +382,7 @@ impl Container {
         image: &Path,
         gpu_pairs: Vec<gpu_state::GpuPair>,
         gpu_expected: usize,
+        helpers: &mut Option<RestoreHelpers>,
     ) -> Result<()> {
         let refreshed = host::refresh_device_nodes(&self.bundle, pid)?;
         if !refreshed.is_empty() {
@@ -371,7 +390,7 @@ impl Container {
         }
         if self.gpu.quiescer != gpu::Quiescer::Shim {
             // CRIU's CUDA plugin restored and unlocked the driver's part already.
-            return self.hook_restore(image).await;
+            return self.hook_restore(image, helpers).await;
         }
         let pids = self.runc.ps(&self.id).await?;
         let n = gpu::resume_restored(pids, gpu_pairs).await?;
@@ -384,22 +403,27 @@ impl Container {
         if n > 0 {
             tracing::info!(id = %self.id, processes = n, "GPU state restored");
         }
-        self.hook_restore(image).await
+        self.hook_restore(image, helpers).await
     }
 
-    /// Remap → CopyIn → Thaw for every process whose memory the checkpoint's hooks moved.
-    async fn hook_restore(&self, image: &Path) -> Result<()> {
+    /// Remap → CopyIn → Thaw for every process whose memory the checkpoint's hooks moved,
+    /// with the copy-in helpers started for them (given back in `helpers` to be let go).
+    async fn hook_restore(&self, image: &Path, helpers: &mut Option<RestoreHelpers>) -> Result<()> {
         let Some(record) = HookRecord::load(image)?.filter(|r| !r.processes.is_empty()) else {
             return Ok(());
         };
         let (id, image) = (self.id.clone(), image.to_path_buf());
         let sockets = hook_spec::socket_dir(&self.bundle);
         let started = std::time::Instant::now();
-        let n = tokio::task::spawn_blocking(move || {
-            gpu_hook::copy_in_restored(&id, &sockets, &image, &record)
+        let mut h = helpers.take().unwrap_or_default();
+        let (n, h) = tokio::task::spawn_blocking(move || {
+            let n = gpu_hook::copy_in_restored(&id, &sockets, &image, &record, &mut h);
+            (n, h)
         })
         .await
-        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))??;
+        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?;
+        *helpers = Some(h);
+        let n = n?;
         tracing::info!(id = %self.id, processes = n,
             elapsed_ms = started.elapsed().as_millis() as u64, "hook memory restored");
         Ok(())

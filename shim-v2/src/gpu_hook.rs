@@ -35,9 +35,12 @@ use std::time::{Duration, Instant};
 
 use gpucr_hook::control::{socket_path, ControlClient, ControlError};
 use gpucr_hook::protocol::{
-    CheckpointState, HookStatus, Outcome, PrepareReport, Reply, Request, SnapshotReport, Verb,
+    CheckpointState, CopyInReport, HookStatus, Outcome, PrepareReport, Reply, Request,
+    SnapshotReport, Verb, WarmReport,
 };
 use serde::{Deserialize, Serialize};
+
+use crate::restore_helpers::{ProcessHelpers, RestoreHelpers};
 use thiserror::Error;
 
 /// The record of the hook's part of a checkpoint, next to `gpucr-gpu.json`.
@@ -289,7 +292,7 @@ impl Conn {
         }
     }
 
-    fn copy_in(&mut self, image: &Path) -> Result<u64> {
+    fn copy_in(&mut self, image: &Path) -> Result<CopyInReport> {
         let dir = File::open(image).map_err(|source| HookError::Io {
             pid: self.pid,
             what: format!("opening {}", image.display()),
@@ -297,8 +300,17 @@ impl Conn {
         })?;
         let reply = self.client.copy_in_fd(&dir);
         match self.reply(Verb::CopyIn, reply)? {
-            Outcome::CopiedIn(r) => Ok(r.bytes),
+            Outcome::CopiedIn(r) => Ok(r),
             other => Err(self.unexpected(Verb::CopyIn, &other)),
+        }
+    }
+
+    /// Hands over the restore's helpers (see [`crate::restore_helpers`]).
+    fn warm_helpers(&mut self, helpers: ProcessHelpers) -> Result<WarmReport> {
+        let reply = self.client.warm_with_helpers(helpers.jobs, &helpers.socks);
+        match self.reply(Verb::Warm, reply)? {
+            Outcome::Warmed(report) => Ok(report),
+            other => Err(self.unexpected(Verb::Warm, &other)),
         }
     }
 
@@ -873,13 +885,23 @@ fn give_back_one(id: &str, image: &Path, m: &mut Moved, conn: &mut Conn) -> Resu
         conn.call(&Request::Remap)?;
         let remap_ms = ms_since(t);
         let t = Instant::now();
-        let bytes = conn.copy_in(&HookRecord::image_of(image, m.process.ns_pid))?;
+        let r = conn.copy_in(&HookRecord::image_of(image, m.process.ns_pid))?;
+        // What the helpers (restore_helpers) copied, and how fast the hook's copy-in ran.
+        let ok = || r.helpers.iter().filter(|h| h.error.is_none());
+        let helper_bytes: u64 = ok().map(|h| h.bytes).sum();
+        let helper_wait_ms = ok().map(|h| h.pin_wait_s).fold(0.0, f64::max) * 1e3;
         tracing::info!(
             id,
             pid = m.process.host_pid,
             remap_ms,
             copy_in_ms = ms_since(t),
-            bytes,
+            bytes = r.bytes,
+            hook_copy_in_ms = (r.seconds * 1e3) as u64,
+            copy_in_gb_s = format!("{:.1}", r.bytes as f64 / r.seconds.max(1e-9) / 1e9),
+            helpers = r.helpers.len(),
+            helper_bytes,
+            helper_pin_wait_ms = helper_wait_ms as u64,
+            helpers_failed = r.helpers.len() - ok().count(),
             "device memory given back by the hook"
         );
     }
@@ -899,13 +921,15 @@ fn give_back_one(id: &str, image: &Path, m: &mut Moved, conn: &mut Conn) -> Resu
 }
 
 /// Restore, after the driver's restore and unlock: each process of `record` (named by
-/// its namespace pid, which CRIU kept) gets its memory back from the image and runs.
-/// Returns how many.
+/// its namespace pid, which CRIU kept) gets its memory back from the image and runs,
+/// with the copy-in helpers `helpers` started for it (handed over by Warm; a refused
+/// Warm only costs their share being staged). Returns how many.
 pub fn copy_in_restored(
     id: &str,
     socket_dir: &Path,
     image: &Path,
     record: &HookRecord,
+    helpers: &mut RestoreHelpers,
 ) -> Result<usize> {
     for p in &record.processes {
         let process = HookProcess {
@@ -929,6 +953,19 @@ pub fn copy_in_restored(
                     status.state
                 ),
             });
+        }
+        if let Some(h) = helpers.take(p.ns_pid) {
+            match conn.warm_helpers(h) {
+                Ok(report) => tracing::info!(
+                    id,
+                    ns_pid = p.ns_pid,
+                    helpers = report.helpers,
+                    bytes = report.ahead_bytes,
+                    "copy-in helpers handed to the hook"
+                ),
+                Err(e) => tracing::warn!(id, ns_pid = p.ns_pid, error = %e,
+                    "copy-in helpers not handed over; the copy-in stages everything"),
+            }
         }
         let mut moved = Moved {
             process,

@@ -1,4 +1,5 @@
 use super::*;
+use crate::restore_helpers::RestoreHelpers;
 use std::sync::Arc;
 
 use gpucr_hook::driver::{DriverCall, VmmDriver};
@@ -240,11 +241,25 @@ fn a_restored_process_gets_its_memory_from_the_image() {
     // As after CRIU's restore: the hook answers in the new socket directory, Released.
     let socket_dir = p.process.socket.parent().unwrap();
     drop(cp);
-    let n = copy_in_restored("c", socket_dir, image.path(), &record).unwrap();
+    let n = copy_in_restored(
+        "c",
+        socket_dir,
+        image.path(),
+        &record,
+        &mut RestoreHelpers::default(),
+    )
+    .unwrap();
     assert_eq!(n, 1);
     p.assert_intact();
     // Not Released any more: a second restore of the same process is refused.
-    assert!(copy_in_restored("c", socket_dir, image.path(), &record).is_err());
+    assert!(copy_in_restored(
+        "c",
+        socket_dir,
+        image.path(),
+        &record,
+        &mut RestoreHelpers::default()
+    )
+    .is_err());
 }
 
 #[test]
@@ -296,7 +311,14 @@ fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
     drop(cp2);
     assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
     let socket_dir = p.process.socket.parent().unwrap();
-    copy_in_restored("c", socket_dir, image.path(), &record).unwrap();
+    copy_in_restored(
+        "c",
+        socket_dir,
+        image.path(),
+        &record,
+        &mut RestoreHelpers::default(),
+    )
+    .unwrap();
     p.assert_intact();
 }
 
@@ -371,4 +393,103 @@ fn a_copy_out_into_tmpfs_is_prepared_while_a_running_task_runs() {
         assert_eq!(names, [std::ffi::OsString::from("31")]);
         assert_eq!(p.driver.registered_ranges(), 0);
     }
+}
+
+/// Not a test of its own: the body of a fake `gpucr-copyin` when this test binary is
+/// started as one (see the restore test below). It logs its job and its Go, then says
+/// Failed, so the hook stages its share.
+#[test]
+fn fake_restore_helper() {
+    use gpucr_hook::helper::{helper_socket, next_go, next_job, say, HelperMsg, ENV_DEVICE_UUID};
+    use std::io::Write;
+    let Some(log) = std::env::var_os("GPUCR_FAKE_RESTORE_HELPER_LOG") else {
+        return;
+    };
+    let mut log = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(log)
+        .unwrap();
+    let uuid = std::env::var(ENV_DEVICE_UUID).unwrap_or_default();
+    let mut sock = helper_socket().unwrap();
+    say(&mut sock, &HelperMsg::Ready { init_s: 0.0 }).unwrap();
+    let (job, files) = next_job(&mut sock).unwrap().unwrap();
+    // One write per line: the helpers append to one log at once.
+    let line = format!("job {} files={} {uuid}\n", job.pieces.len(), files.len());
+    log.write_all(line.as_bytes()).unwrap();
+    let (memory, sizes) = next_go(&mut sock, &job).unwrap().unwrap();
+    let line = format!("go {} {sizes:?}\n", memory.len());
+    log.write_all(line.as_bytes()).unwrap();
+    let failed = HelperMsg::Failed {
+        message: "fake helper".into(),
+    };
+    say(&mut sock, &failed).unwrap();
+    let _ = next_job(&mut sock);
+    std::process::exit(0);
+}
+
+/// A restore: the shim starts copy-in helpers for the image before CRIU (here: before
+/// the copy-in), sends them their jobs, and hands them to the restored process's hook
+/// with Warm; the hook sends each its Go at the copy-in. These fake helpers fail after
+/// their Go, so the hook stages their share: the memory is exact either way, and the
+/// helpers are gone after `finish`.
+#[test]
+fn a_restore_hands_the_shims_helpers_to_the_hook() {
+    let shm = Path::new("/dev/shm");
+    if !gpu_state::image::is_tmpfs(shm) {
+        eprintln!("skipped: /dev/shm is not tmpfs");
+        return;
+    }
+    let me = std::process::id();
+    let p = fake(me);
+    p.driver.set_device_hash(true);
+    let image = tempfile::tempdir_in(shm).unwrap();
+    let cp = checkpoint_one(&p, image.path(), false, false);
+    let record = cp.record();
+    drop(cp);
+    assert_eq!(p.hook.state(), CheckpointState::Released);
+
+    let bin = tempfile::tempdir().unwrap();
+    let log = bin.path().join("log");
+    let script = bin.path().join("gpucr-copyin");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/bash\nexport GPUCR_FAKE_RESTORE_HELPER_LOG={}\nexec {} --exact \
+             gpu_hook::tests::fake_restore_helper --test-threads=1 -q >/dev/null\n",
+            log.display(),
+            std::env::current_exe().unwrap().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let uuid = "GPU-aaaaaaaa-1111-2222-3333-444444444444";
+    let mut helpers = RestoreHelpers::default();
+    helpers.start_processes(
+        image.path(),
+        &record,
+        2,
+        &script,
+        uuid,
+        &crate::reaper::Spawner::Plain,
+    );
+    assert_eq!(helpers.len(), 2);
+    let lines = || std::fs::read_to_string(&log).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while lines().lines().filter(|l| l.starts_with("job")).count() < 2 {
+        assert!(Instant::now() < deadline, "no jobs: {}", lines());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(lines().lines().all(|l| l.ends_with(uuid)), "{}", lines());
+
+    let socket_dir = p.process.socket.parent().unwrap();
+    copy_in_restored("c", socket_dir, image.path(), &record, &mut helpers).unwrap();
+    let gos = lines().lines().filter(|l| l.starts_with("go ")).count();
+    assert_eq!(gos, 2, "{}", lines());
+    p.assert_intact();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(helpers.finish());
 }

@@ -190,7 +190,9 @@ def shimlog(log, cid):
     """Timing fields of the gpucr shim's lines for one container, last value of each wins:
     gpu_quiesce_ms ("GPU locked and checkpointed"), dump_ms ("checkpointed"),
     restore_ms ("restored", runc restore + GPU restore), gpu_restored (process count),
-    and the hook's: gpu_paused_ms (freeze to thaw), snapshot_reattach_ms, snapshot_write_ms."""
+    and the hook's: gpu_paused_ms (freeze to thaw), snapshot_reattach_ms, snapshot_write_ms,
+    and its copy-in's (a restore): hook_copy_in_ms, copy_in_gb_s, helpers, helper_bytes,
+    helper_pin_wait_ms, helpers_failed."""
     found = {}
     pat_id = re.compile(r'\bid="?' + re.escape(cid) + r'"?(\s|$)')
     with open(log, errors="replace") as f:
@@ -214,6 +216,14 @@ def shimlog(log, cid):
                 found["snapshot_reattach_ms"] = field("reattach_ms")
             elif "GPU work resumed by the hook" in line and field("gpu_paused_ms"):
                 found["gpu_paused_ms"] = field("gpu_paused_ms")
+            elif "device memory given back by the hook" in line and field("hook_copy_in_ms"):
+                for name in ("hook_copy_in_ms", "helpers", "helper_bytes",
+                             "helper_pin_wait_ms", "helpers_failed"):
+                    if field(name):
+                        found[name] = field(name)
+                m = re.search(r'\bcopy_in_gb_s="?([\d.]+)', line)
+                if m:
+                    found["copy_in_gb_s"] = m.group(1)
     print(" ".join(f"{k}={v}" for k, v in sorted(found.items())))
 
 

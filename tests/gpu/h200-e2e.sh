@@ -20,7 +20,9 @@
 #   d         gpucr with a PyTorch workload (host's python and torch bind-mounted read-only)
 #   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
 #   e         stock runc shim + CRIU with only gpucr's CRIU plugin (CRIU_LIBS_DIR)
-#   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise
+#   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise; gpucr-16-h0 as gpucr-16 with
+#             the restore's copy-in helpers off (annotation io.gpucr.restore-helpers=0), side by
+#             side (the helpers need the restore's image on tmpfs: GPUCR_E2E_TMPDIR)
 # Every workload line "step S hash H" is compared with an uninterrupted reference run of the
 # same program on the host: after a restore the steps go on from where they were, with the
 # same hashes of device memory.
@@ -40,6 +42,9 @@
 #   GPUCR_E2E_TOOLS        where dependencies are extracted (default /opt/gpucr-deps)
 #   GPUCR_E2E_DATA         containerd root/state and checkpoints (default /dev/shm/gpucr-e2e
 #                          when /dev/shm has 100 GiB free, else /var/tmp/gpucr-e2e-data)
+#   GPUCR_E2E_TMPDIR       containerd's TMPDIR, where `ctr c restore` unpacks the checkpoint
+#                          the shim restores from (default $DATA/tmp); on tmpfs the shim's
+#                          copy-in helpers DMA straight from it
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -75,6 +80,7 @@ BIN=$TOOLS/bin
 LOGS=$DATA/logs
 SOCK=$DATA/containerd.sock
 CTD_LOG=$DATA/containerd.log
+CTD_TMP=${GPUCR_E2E_TMPDIR:-$DATA/tmp}
 CONTENT=$DATA/root/io.containerd.content.v1.content
 CTD_PID=""
 RESULTS=$OUT/results.txt
@@ -241,6 +247,11 @@ EOF
     install -m 0755 "$CARRY/bin/libgpucr_hook.so" "$TOOLS/libgpucr_hook.so"
     HOOK_ENV=(GPUCR_HOOK_LIB="$TOOLS/libgpucr_hook.so")
     log "hook fast path on: GPUCR_HOOK_LIB=$TOOLS/libgpucr_hook.so"
+    # The restore's copy-in helpers: the shim looks for gpucr-copyin next to itself.
+    if [ -f "$CARRY/bin/gpucr-copyin" ]; then
+      install -m 0755 "$CARRY/bin/gpucr-copyin" "$BIN/gpucr-copyin"
+      log "restore copy-in helpers: $BIN/gpucr-copyin"
+    fi
   fi
   rm -f "$TOOLS/criu-libs-dir"
   export PATH="$BIN:$PATH"
@@ -283,8 +294,9 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.trac
 EOF
   log "starting containerd (root $DATA)"
   # TMPDIR: containerd writes checkpoint dumps there before they enter the content store.
-  mkdir -p "$DATA/cdi"
-  env "${HOOK_ENV[@]}" TMPDIR=$DATA/tmp GPUCR_CDI_SPEC_DIRS=$DATA/cdi containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
+  mkdir -p "$DATA/cdi" "$CTD_TMP"
+  log "containerd TMPDIR $CTD_TMP ($(stat -fc %T "$CTD_TMP"))"
+  env "${HOOK_ENV[@]}" TMPDIR=$CTD_TMP GPUCR_CDI_SPEC_DIRS=$DATA/cdi containerd --config "$DATA/config.toml" </dev/null >"$CTD_LOG" 2>&1 &
   CTD_PID=$!
   local i
   for i in $(seq 100); do
@@ -647,7 +659,7 @@ cr_cycle() {
     figs+="unlock_ms=$(awk '/^drive: unlock/ {sub("ms=","",$5); print $5}' "$LOGS/$id-drive-resume.txt") "
   elif [ "$mode" = gpucr ]; then
     tail -n +"$((off + 1))" "$CTD_LOG" >"$LOGS/$id-$name-restore-ctd.log"
-    figs+="$($HELPER shimlog "$LOGS/$id-$name-restore-ctd.log" "$id" | tr ' ' '\n' | grep -E '^(restore_ms|gpu_restored)=' | tr '\n' ' ')"
+    figs+="$($HELPER shimlog "$LOGS/$id-$name-restore-ctd.log" "$id" | tr ' ' '\n' | grep -E '^(restore_ms|gpu_restored|hook_copy_in_ms|copy_in_gb_s|helpers|helper_bytes|helper_pin_wait_ms|helpers_failed)=' | tr '\n' ' ')"
   fi
   figs+="e2e_s=$(awk -v m="$e2e_ms" 'BEGIN {printf "%.2f", m/1000}') "
   CTR_T=120 cc image rm --sync "$ref" >/dev/null 2>&1 || log "$id: could not remove $ref"
@@ -1193,16 +1205,34 @@ fi
 # f: the big runs, gpucr and stock side by side.
 if [ "$SKIP_BIG" = 1 ]; then
   SKIP_WHY="GPUCR_E2E_SKIP_BIG=1" skip_all "gpucr-$BIG" "stock-$BIG"
-elif ! want "gpucr-$BIG" "stock-$BIG"; then
+elif ! want "gpucr-$BIG" "stock-$BIG" "gpucr-$BIG-h0"; then
   skip_all "gpucr-$BIG" "stock-$BIG"
 elif enough 150 "gpucr-$BIG"; then
   use_workload cuda "$BIG"
   if ! ref_run cuda "$BIG" 400; then
     result "gpucr-$BIG" FAIL 0 "the ${BIG} GiB reference run failed on the host"
-  elif start_workload gpucr-big "$GPUCR_RT"; then
-    cr_cycle gpucr-big gpucr "gpucr-$BIG" || true
   else
-    result "gpucr-$BIG" FAIL 0 "the CUDA container did not start"
+    if ! want "gpucr-$BIG-h0"; then
+      :
+    elif ! enough 100 "gpucr-$BIG-h0"; then
+      skip_all "gpucr-$BIG-h0"
+    else
+      # The same with the restore's copy-in helpers off, side by side.
+      local_args=("${WL_ARGS[@]}")
+      WL_ARGS+=(--annotation io.gpucr.restore-helpers=0)
+      if start_workload gpucr-big-h0 "$GPUCR_RT"; then
+        cr_cycle gpucr-big-h0 gpucr "gpucr-$BIG-h0" || true
+      else
+        result "gpucr-$BIG-h0" FAIL 0 "the CUDA container did not start"
+      fi
+      WL_ARGS=("${local_args[@]}")
+      kill_rm gpucr-big-h0
+    fi
+    if start_workload gpucr-big "$GPUCR_RT"; then
+      cr_cycle gpucr-big gpucr "gpucr-$BIG" || true
+    else
+      result "gpucr-$BIG" FAIL 0 "the CUDA container did not start"
+    fi
   fi
   kill_rm gpucr-big
   if enough 140 "stock-$BIG"; then
