@@ -24,10 +24,14 @@ say() { echo "gpucr-install: $*"; }
 command -v cargo >/dev/null || {
   echo "cargo not found: install a Rust toolchain (https://rustup.rs) and re-run" >&2; exit 1; }
 say "building release binaries"
-(cd "$top" && cargo build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload)
+# -p gpucr-hook builds gpucr-copyin (with the cuda feature the preload library turns on).
+(cd "$top" && cargo build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload -p gpucr-hook)
 
 install -D -m 0755 "$top/target/release/containerd-shim-gpucr-v2" "$prefix/bin/containerd-shim-gpucr-v2"
 say "installed $prefix/bin/containerd-shim-gpucr-v2 (runtime io.containerd.gpucr.v2)"
+# The restore's copy-in helper: the shim starts it from its own directory.
+install -D -m 0755 "$top/target/release/gpucr-copyin" "$prefix/bin/gpucr-copyin"
+say "installed $prefix/bin/gpucr-copyin (restores copy device memory in with it; io.gpucr.restore-helpers=0 per container turns it off)"
 
 # CRIU loads every *.so in its plugin directory (/usr/lib/criu unless --libdir is given).
 plugin_dir=/usr/lib/criu

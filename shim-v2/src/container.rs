@@ -342,7 +342,9 @@ impl Container {
         }
         .await;
         if let Some(helpers) = helpers {
-            helpers.finish().await;
+            // Reaped in the background: a helper unpins its share of the image before it
+            // exits (0.1–0.2 s on the H200), which the restored task need not wait for.
+            tokio::spawn(helpers.finish());
         }
         match res {
             Ok(v) => {
