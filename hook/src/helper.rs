@@ -617,12 +617,12 @@ pub fn next_job(sock: &mut UnixStream) -> Result<Option<(Job, Vec<OwnedFd>)>, St
     Ok(Some((job, files)))
 }
 
+/// A Go as received: the memory fds and their mapped sizes.
+pub type GoFds = (Vec<OwnedFd>, Vec<u64>);
+
 /// Receives the Go of `job` with its memory fds and their mapped sizes (the helper's
 /// side); `None` when the hook closed instead (the copy-in will not use this helper).
-pub fn next_go(
-    sock: &mut UnixStream,
-    job: &Job,
-) -> Result<Option<(Vec<OwnedFd>, Vec<u64>)>, String> {
+pub fn next_go(sock: &mut UnixStream, job: &Job) -> Result<Option<GoFds>, String> {
     let buf = match read_frame(sock, MAX_FRAME) {
         Ok(buf) => buf,
         Err(FrameError::Closed) => return Ok(None),
