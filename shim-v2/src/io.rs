@@ -19,7 +19,7 @@ use nix::{
     unistd::pipe2,
 };
 use tokio::{
-    io::{AsyncRead, AsyncWrite, AsyncWriteExt},
+    io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt},
     net::unix::pipe,
     task::JoinHandle,
 };
@@ -171,11 +171,28 @@ where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     tokio::spawn(async move {
-        match tokio::io::copy(&mut r, &mut w).await {
-            Ok(_) => {}
-            // EIO is how a pty master reports that the last slave closed.
-            Err(e) if e.raw_os_error() == Some(libc::EIO) => {}
-            Err(e) => tracing::debug!("copying {what}: {e}"),
+        // Not tokio::io::copy: while a write waits, it reads ahead, and a read error then
+        // drops the bytes it holds. A pty master reports the last slave's close with EIO,
+        // which a short-lived terminal process (`ctr task exec -t … tty`) hits at once:
+        // its output was lost when the fifo's first write waited. Each read here is
+        // written out in full before the next.
+        let mut buf = vec![0u8; 32 << 10];
+        loop {
+            let n = match r.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                // EIO is how a pty master reports that the last slave closed.
+                Err(e) if e.raw_os_error() == Some(libc::EIO) => break,
+                Err(e) => {
+                    tracing::debug!("copying {what}: {e}");
+                    break;
+                }
+            };
+            if let Err(e) = w.write_all(&buf[..n]).await {
+                tracing::debug!("copying {what}: {e}");
+                break;
+            }
         }
         let _ = w.shutdown().await;
     })
@@ -492,6 +509,71 @@ impl Drop for ConsoleSocket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll};
+
+    /// A pty master as a short-lived terminal process leaves it: its output, then EIO.
+    struct Pty(Vec<std::io::Result<Vec<u8>>>);
+
+    impl AsyncRead for Pty {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            if self.0.is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            Poll::Ready(self.0.remove(0).map(|b| buf.put_slice(&b)))
+        }
+    }
+
+    /// A fifo whose first write waits (its readiness not seen yet).
+    struct Fifo {
+        out: Arc<Mutex<Vec<u8>>>,
+        waited: bool,
+    }
+
+    impl AsyncWrite for Fifo {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            if !self.waited {
+                self.waited = true;
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
+            }
+            self.out.lock().unwrap().extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// The flake of `ctr task exec -t … tty` (tests/io.rs): the process's only line was
+    /// read, the fifo's write waited, the copier read ahead and met EIO — and dropped the
+    /// line with tokio::io::copy. Every byte read is written.
+    #[tokio::test]
+    async fn a_terminal_that_closes_while_the_fifo_waits_loses_no_output() {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let pty = Pty(vec![
+            Ok(b"/dev/pts/0\n".to_vec()),
+            Err(std::io::Error::from_raw_os_error(libc::EIO)),
+        ]);
+        let fifo = Fifo {
+            out: out.clone(),
+            waited: false,
+        };
+        copy_task(pty, fifo, "test").await.unwrap();
+        assert_eq!(&*out.lock().unwrap(), b"/dev/pts/0\n");
+    }
 
     #[test]
     fn pipes_belong_to_io_uid_and_gid() {
