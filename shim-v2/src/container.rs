@@ -164,15 +164,17 @@ impl Container {
                 image: image.clone(),
                 msg: e.to_string(),
             };
+            let hook_record = HookRecord::load(image).map_err(|e| refuse(e.into()))?;
             if let Some(record) = gpu::load_record(image).map_err(refuse)? {
-                gpu::check_restore(&record).map_err(refuse)?;
+                // The device needs room for what the driver restores and what the hooks
+                // copy back in.
+                let hook_bytes = hook_record.as_ref().map_or(0, HookRecord::device_bytes);
+                gpu::check_restore(&record, hook_bytes).map_err(refuse)?;
                 gpu_processes = record.processes.len();
             }
             // CRIU restores the hook's bind mounts by destination: they must be in the spec
             // (with this host's sources) before the host plan checks every recorded mount.
-            hook = HookRecord::load(image)
-                .map_err(|e| refuse(e.into()))?
-                .is_some_and(|r| r.injected);
+            hook = hook_record.is_some_and(|r| r.injected);
             if hook {
                 hook_spec::inject_at_restore(&cfg.bundle).map_err(refuse)?;
             }

@@ -215,13 +215,14 @@ pub fn load_record(image: &Path) -> Result<Option<GpuCheckpointRecord>> {
         .map_err(|e| Error::Gpu(format!("the image's GPU record is damaged: {e}")))
 }
 
-/// Refuses a restore this host cannot take (driver branch, GPU model, free memory).
-pub fn check_restore(record: &GpuCheckpointRecord) -> Result<()> {
+/// Refuses a restore this host cannot take (driver branch, GPU model, free memory for
+/// what the driver restores and the `hook_bytes` the hooks copy back in).
+pub fn check_restore(record: &GpuCheckpointRecord, hook_bytes: u64) -> Result<()> {
     let Some(recorded) = &record.inventory else {
         return Ok(());
     };
     let current = Inventory::gather();
-    let need = Some(record.device_memory_estimate_bytes()).filter(|b| *b > 0);
+    let need = Some(record.device_memory_estimate_bytes() + hook_bytes).filter(|b| *b > 0);
     check_compatibility(recorded, &current, need).map_err(|e| Error::Gpu(e.to_string()))
 }
 

@@ -400,6 +400,11 @@ impl HookRecord {
         image.join(RECORD_FILE)
     }
 
+    /// The device memory the hooks give back at a restore (every process's allocations).
+    pub fn device_bytes(&self) -> u64 {
+        self.processes.iter().map(|p| p.copy_out_bytes).sum()
+    }
+
     /// The image directory of process `ns_pid` (never taken from the record's text).
     pub fn image_of(image: &Path, ns_pid: u32) -> PathBuf {
         image.join(IMAGE_DIR).join(ns_pid.to_string())

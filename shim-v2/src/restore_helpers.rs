@@ -10,8 +10,9 @@
 //! helpers. Nothing a helper does is trusted, and a helper that is late, fails or is never
 //! handed over costs nothing but its share being staged by the hook.
 //!
-//! Only for images the hook's helpers could take (raw chunks with gh1 digests on tmpfs)
-//! and a container with one GPU that this host names by UUID.
+//! Only for images the hook's helpers could take (raw chunks with gh1 digests on tmpfs),
+//! a container with one GPU that this host names by UUID, and a GPU with room for the
+//! helpers' contexts next to everything the restore gives back.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
@@ -21,6 +22,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use gpu_state::image::ImageReader;
+use gpu_state::Inventory;
 use gpucr_hook::helper::{helper_command, plan_image_jobs, write_job, AheadJob, HelperDevice};
 use tokio::sync::oneshot;
 
@@ -127,6 +129,16 @@ impl RestoreHelpers {
                 return out;
             }
         };
+        let contexts = n * record.processes.len();
+        let free = Inventory::gather()
+            .gpus
+            .into_iter()
+            .find(|g| g.uuid == uuid)
+            .and_then(|g| g.memory_free_bytes);
+        if let Err(why) = room_for_contexts(free, image, record, contexts) {
+            tracing::info!(id, reason = %why, "no copy-in helpers");
+            return out;
+        }
         out.start_processes(image, record, n, &path, &uuid, spawner);
         out
     }
@@ -211,6 +223,38 @@ impl RestoreHelpers {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Device memory a helper's CUDA context may take (a primary context without modules
+/// takes a few hundred MiB; generous).
+const CONTEXT_BYTES: u64 = 1 << 30;
+
+/// Whether `free` bytes of the GPU (unknown: assumed enough) leave room for `contexts`
+/// helper contexts next to what the restore gives back: the helpers' contexts exist
+/// while the process's memory is created again, and must not make that fail.
+fn room_for_contexts(
+    free: Option<u64>,
+    image: &Path,
+    record: &HookRecord,
+    contexts: usize,
+) -> Result<(), String> {
+    let Some(free) = free else {
+        return Ok(());
+    };
+    let driver = crate::gpu::load_record(image)
+        .ok()
+        .flatten()
+        .map_or(0, |r| r.device_memory_estimate_bytes());
+    let need = record.device_bytes() + driver + contexts as u64 * CONTEXT_BYTES;
+    if free < need {
+        return Err(format!(
+            "the GPU has {} MiB free, and the restore plus {contexts} helper contexts need \
+             about {} MiB",
+            free >> 20,
+            need >> 20
+        ));
+    }
+    Ok(())
 }
 
 fn kill(pid: u32) {
@@ -442,6 +486,37 @@ mod tests {
         // adds them) gets that one.
         std::fs::remove_dir_all(gpus.path().join("0000:2a:00.0")).unwrap();
         assert_eq!(helper_gpu(none.path(), gpus.path()).unwrap(), a);
+    }
+
+    #[test]
+    fn helpers_need_room_for_their_contexts_next_to_the_restored_memory() {
+        let image = tempfile::tempdir().unwrap();
+        let process = |bytes| crate::gpu_hook::ProcessRecord {
+            host_pid: 1,
+            ns_pid: 1,
+            allocations: 1,
+            freeze_ms: 0,
+            copy_out_bytes: bytes,
+            copy_out_ms: 0,
+            release_ms: 0,
+            kept: 0,
+            snapshot_ms: 0,
+            gpu_paused_ms: 0,
+            prepared: false,
+            prepare_ms: 0,
+        };
+        let record = HookRecord {
+            version: 1,
+            injected: true,
+            processes: vec![process(16 << 30), process(8 << 30)],
+            fallbacks: Vec::new(),
+        };
+        let gib = |n: u64| Some(n << 30);
+        assert!(room_for_contexts(gib(30), image.path(), &record, 4).is_ok());
+        let err = room_for_contexts(gib(26), image.path(), &record, 4).unwrap_err();
+        assert!(err.contains("26624 MiB free"), "{err}");
+        // Free memory unknown (no NVML): started.
+        assert!(room_for_contexts(None, image.path(), &record, 4).is_ok());
     }
 
     #[test]
