@@ -65,6 +65,14 @@ enum Watch {
 }
 
 impl Watch {
+    /// Whether the process has not been seen to exit (its pid is still its own).
+    fn alive(&mut self) -> bool {
+        match self {
+            Watch::Reaped(rx) => matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)),
+            Watch::Own(child) => matches!(child.try_wait(), Ok(None)),
+        }
+    }
+
     /// Waits up to `grace` for the exit; whether it came.
     async fn exited(&mut self, grace: Duration) -> bool {
         match self {
@@ -193,7 +201,9 @@ impl RestoreHelpers {
                 }
                 _ => {
                     tracing::warn!(id = %self.id, pid = s.pid, "copy-in helper not used: its job is not out in time");
-                    kill(s.pid);
+                    if s.exit.alive() {
+                        kill(s.pid);
+                    }
                 }
             }
         }
@@ -203,14 +213,15 @@ impl RestoreHelpers {
     /// After the copy-ins (or a failed restore): every helper is let go (our sockets
     /// closed), given [`EXIT_GRACE`] to exit, then killed; all are reaped.
     pub async fn finish(self) {
-        for started in self.by_process.into_values() {
-            for mut s in started {
-                drop(s.sock.take());
-                if !s.exit.exited(EXIT_GRACE).await {
-                    tracing::warn!(id = %self.id, pid = s.pid, "copy-in helper did not exit; killed");
-                    kill(s.pid);
-                    s.exit.exited(EXIT_GRACE).await;
-                }
+        let mut all: Vec<Started> = self.by_process.into_values().flatten().collect();
+        for s in &mut all {
+            drop(s.sock.take());
+        }
+        for mut s in all {
+            if !s.exit.exited(EXIT_GRACE).await {
+                tracing::warn!(id = %self.id, pid = s.pid, "copy-in helper did not exit; killed");
+                kill(s.pid);
+                s.exit.exited(EXIT_GRACE).await;
             }
         }
     }
