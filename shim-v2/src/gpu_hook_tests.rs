@@ -69,6 +69,17 @@ impl FakeProcess {
     }
 }
 
+/// The restore's copy-in of `record` from `image`, with no helpers started.
+fn restore_without_helpers(socket_dir: &Path, image: &Path, record: &HookRecord) -> Result<usize> {
+    copy_in_restored(
+        "c",
+        socket_dir,
+        image,
+        record,
+        &mut RestoreHelpers::default(),
+    )
+}
+
 /// The hook's part of a checkpoint of `p` alone, into `image`.
 fn checkpoint_one(p: &FakeProcess, image: &Path, keep: bool, running: bool) -> HookCheckpoint {
     copy_out("c", std::slice::from_ref(&p.process), image, keep, running).unwrap()
@@ -241,25 +252,11 @@ fn a_restored_process_gets_its_memory_from_the_image() {
     // As after CRIU's restore: the hook answers in the new socket directory, Released.
     let socket_dir = p.process.socket.parent().unwrap();
     drop(cp);
-    let n = copy_in_restored(
-        "c",
-        socket_dir,
-        image.path(),
-        &record,
-        &mut RestoreHelpers::default(),
-    )
-    .unwrap();
+    let n = restore_without_helpers(socket_dir, image.path(), &record).unwrap();
     assert_eq!(n, 1);
     p.assert_intact();
     // Not Released any more: a second restore of the same process is refused.
-    assert!(copy_in_restored(
-        "c",
-        socket_dir,
-        image.path(),
-        &record,
-        &mut RestoreHelpers::default()
-    )
-    .is_err());
+    assert!(restore_without_helpers(socket_dir, image.path(), &record).is_err());
 }
 
 #[test]
@@ -311,14 +308,7 @@ fn leave_running_snapshots_the_memory_and_writes_the_image_after_the_thaw() {
     drop(cp2);
     assert_eq!(p.hook.state(), CheckpointState::Snapshotted);
     let socket_dir = p.process.socket.parent().unwrap();
-    copy_in_restored(
-        "c",
-        socket_dir,
-        image.path(),
-        &record,
-        &mut RestoreHelpers::default(),
-    )
-    .unwrap();
+    restore_without_helpers(socket_dir, image.path(), &record).unwrap();
     p.assert_intact();
 }
 
