@@ -29,7 +29,7 @@ use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
 use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::gate::{Gate, GateError};
-use crate::helper::{plan_image_jobs, AheadJob, Helper, HelperMsg, Helpers};
+use crate::helper::{data_file_fds, plan_image_jobs, AheadJob, Helper, HelperMsg, Helpers};
 use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, CopyProfile, HelperReport, HookStatus,
@@ -1788,11 +1788,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
                 );
                 break;
             }
-            let fds = match files
-                .iter()
-                .map(|f| f.try_clone().map(OwnedFd::from))
-                .collect::<Result<Vec<_>, _>>()
-            {
+            let fds = match data_file_fds(&reader) {
                 Ok(fds) => fds,
                 Err(e) => {
                     tracing::warn!(error = %e, "copy-in job not sent ahead: cannot duplicate a data file fd");

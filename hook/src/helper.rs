@@ -282,6 +282,15 @@ impl Ahead {
     }
 }
 
+/// Copies of the image's data file fds, to go with a job written from another thread.
+pub fn data_file_fds(reader: &ImageReader) -> std::io::Result<Vec<OwnedFd>> {
+    reader
+        .data_files()
+        .iter()
+        .map(|f| f.try_clone().map(OwnedFd::from))
+        .collect()
+}
+
 /// The helpers' jobs for a copy-in of every allocation of `pid` in `reader` (a copy-in
 /// matches the image exactly): [`split`] of their raw chunks with a gh1 digest, `share`
 /// of all their bytes over `n` helpers, each job with what the copy-in needs to know of

@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use gpu_state::image::ImageReader;
 use gpu_state::Inventory;
-use gpucr_hook::helper::{helper_command, plan_image_jobs, write_job, AheadJob, HelperDevice};
+use gpucr_hook::helper::{
+    data_file_fds, helper_command, plan_image_jobs, write_job, AheadJob, HelperDevice,
+};
 use tokio::sync::oneshot;
 
 use crate::gpu_hook::HookRecord;
@@ -121,7 +123,14 @@ impl RestoreHelpers {
             id: id.to_string(),
             ..RestoreHelpers::default()
         };
-        let n = helper_count(bundle);
+        let spec = match gpucr_cdi::read_oci_spec(&bundle.join("config.json")) {
+            Ok(spec) => spec,
+            Err(e) => {
+                tracing::info!(id, error = %e, "no copy-in helpers: the spec cannot be read");
+                return out;
+            }
+        };
+        let n = helper_count(&spec);
         if n == 0 || record.processes.is_empty() {
             return out;
         }
@@ -130,7 +139,7 @@ impl RestoreHelpers {
             tracing::info!(id, path = %path.display(), "no copy-in helpers: the helper is not installed");
             return out;
         }
-        let uuid = match helper_gpu(bundle, Path::new(NVIDIA_GPUS)) {
+        let uuid = match helper_gpu(&spec, Path::new(NVIDIA_GPUS)) {
             Ok(uuid) => uuid,
             Err(why) => {
                 tracing::info!(id, reason = %why, "no copy-in helpers");
@@ -296,12 +305,8 @@ fn start_for(
     let jobs = plan_image_jobs(&reader, Some(ns_pid), share, n).map_err(|e| e.to_string())?;
     let mut started = Vec::with_capacity(jobs.len());
     for (job, desc) in jobs {
-        let files = reader
-            .data_files()
-            .iter()
-            .map(|f| f.try_clone().map(OwnedFd::from))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("cannot duplicate a data file fd: {e}"))?;
+        let files =
+            data_file_fds(&reader).map_err(|e| format!("cannot duplicate a data file fd: {e}"))?;
         let device = HelperDevice::Uuid(uuid.to_string());
         let (mut cmd, sock, theirs) = helper_command(path, &device)?;
         // The helper's CUDA calls are its own; its errors go to the shim's log.
@@ -336,16 +341,13 @@ fn start_for(
     Ok(started)
 }
 
-fn helper_count(bundle: &Path) -> usize {
-    let annotation = std::fs::read(bundle.join("config.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .and_then(|spec| {
-            spec.pointer("/annotations")
-                .and_then(|a| a.get(HELPERS_ANNOTATION))
-                .and_then(|v| v.as_str())
-                .map(str::to_string)
-        });
+/// How many helpers per process the container's `spec` asks for.
+fn helper_count(spec: &serde_json::Value) -> usize {
+    let annotation = spec
+        .pointer("/annotations")
+        .and_then(|a| a.get(HELPERS_ANNOTATION))
+        .and_then(|v| v.as_str())
+        .map(str::to_string);
     annotation
         .or_else(|| std::env::var(HELPERS_ENV).ok())
         .and_then(|v| v.trim().parse().ok())
@@ -379,11 +381,7 @@ pub const NVIDIA_GPUS: &str = "/proc/driver/nvidia/gpus";
 /// The UUID of the container's GPU: the one `/dev/nvidiaN` device of its spec (by minor
 /// number), or — with none in the spec — the host's only GPU. Helpers copy on one GPU,
 /// so a container with several gets none.
-fn helper_gpu(bundle: &Path, gpus: &Path) -> Result<String, String> {
-    let spec: serde_json::Value = std::fs::read(bundle.join("config.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .ok_or("the bundle's config.json cannot be read")?;
+fn helper_gpu(spec: &serde_json::Value, gpus: &Path) -> Result<String, String> {
     let minors: Vec<u64> = spec
         .pointer("/linux/devices")
         .and_then(|d| d.as_array())
@@ -458,11 +456,8 @@ mod tests {
         .unwrap();
     }
 
-    fn bundle(devices: serde_json::Value) -> tempfile::TempDir {
-        let b = tempfile::tempdir().unwrap();
-        let spec = serde_json::json!({"linux": {"devices": devices}});
-        std::fs::write(b.path().join("config.json"), spec.to_string()).unwrap();
-        b
+    fn spec(devices: serde_json::Value) -> serde_json::Value {
+        serde_json::json!({"linux": {"devices": devices}})
     }
 
     #[test]
@@ -477,26 +472,26 @@ mod tests {
         let nvidia = |n: u64| serde_json::json!({"path": format!("/dev/nvidia{n}"), "type": "c", "major": 195, "minor": n});
         let ctl =
             serde_json::json!({"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255});
-        let one = bundle(serde_json::json!([ctl, nvidia(1)]));
-        assert_eq!(helper_gpu(one.path(), gpus.path()).unwrap(), b);
+        let one = spec(serde_json::json!([ctl, nvidia(1)]));
+        assert_eq!(helper_gpu(&one, gpus.path()).unwrap(), b);
         // Two GPUs in the container, none in a spec on a two-GPU host, or a minor this
         // host lacks: no helpers, and why.
-        let two = bundle(serde_json::json!([nvidia(0), nvidia(1)]));
-        assert!(helper_gpu(two.path(), gpus.path())
+        let two = spec(serde_json::json!([nvidia(0), nvidia(1)]));
+        assert!(helper_gpu(&two, gpus.path())
             .unwrap_err()
             .contains("2 GPUs"));
-        let none = bundle(serde_json::json!([ctl]));
-        assert!(helper_gpu(none.path(), gpus.path())
+        let none = spec(serde_json::json!([ctl]));
+        assert!(helper_gpu(&none, gpus.path())
             .unwrap_err()
             .contains("has 2 GPUs"));
-        let absent = bundle(serde_json::json!([nvidia(7)]));
-        assert!(helper_gpu(absent.path(), gpus.path())
+        let absent = spec(serde_json::json!([nvidia(7)]));
+        assert!(helper_gpu(&absent, gpus.path())
             .unwrap_err()
             .contains("minor 7"));
         // A host with one GPU: a spec without device nodes (e.g. the NVIDIA runtime
         // adds them) gets that one.
         std::fs::remove_dir_all(gpus.path().join("0000:2a:00.0")).unwrap();
-        assert_eq!(helper_gpu(none.path(), gpus.path()).unwrap(), a);
+        assert_eq!(helper_gpu(&none, gpus.path()).unwrap(), a);
     }
 
     #[test]
@@ -532,12 +527,9 @@ mod tests {
 
     #[test]
     fn the_helper_count_comes_from_the_annotation_first() {
-        let b = tempfile::tempdir().unwrap();
         let spec = serde_json::json!({"annotations": {HELPERS_ANNOTATION: "0"}});
-        std::fs::write(b.path().join("config.json"), spec.to_string()).unwrap();
-        assert_eq!(helper_count(b.path()), 0);
+        assert_eq!(helper_count(&spec), 0);
         let spec = serde_json::json!({"annotations": {HELPERS_ANNOTATION: "3"}});
-        std::fs::write(b.path().join("config.json"), spec.to_string()).unwrap();
-        assert_eq!(helper_count(b.path()), 3);
+        assert_eq!(helper_count(&spec), 3);
     }
 }
