@@ -19,6 +19,8 @@
 #   c         gpucr: `ctr c checkpoint --task --rw`, kill, rm, `ctr c restore --live --rw`
 #   d         gpucr with a PyTorch workload (host's python and torch bind-mounted read-only)
 #   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
+#   full      c onto a GPU whose memory a host process holds: the restore is refused when the
+#             task is created, nothing is left, and it restores once the memory is free
 #   e         stock runc shim + CRIU with only gpucr's CRIU plugin (CRIU_LIBS_DIR)
 #   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise; gpucr-16-h0 as gpucr-16 with
 #             the restore's copy-in helpers off (annotation io.gpucr.restore-helpers=0), side by
@@ -932,7 +934,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi e d t gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi full e d t gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -1029,6 +1031,56 @@ scenario_cdi() {
   grep -ho 'gpu_pairs=[0-9]*' "$LOGS"/cdi-cdi-restore-ctd.log 2>/dev/null | tail -1 | sed 's/^/cdi: driver restore got /' >&2 || true
 }
 
+# full: a restore onto a GPU without room for the checkpoint's device memory is refused when
+# the task is created, before anything runs; the checkpoint is left as it was and restores
+# once the memory is free (cr_cycle's own restore, right after this). Run as cr_cycle's
+# CR_BEFORE_RESTORE: it sees cr_cycle's id, ref and figs (bash locals are dynamic).
+full_gpu_refusal() {
+  local hog_log=$LOGS/full-hog.txt hog rc=0 _
+  # A host process holds all but 256 MiB of what the GPU has free.
+  "$TORCH_PY" -c '
+import time, torch
+free, _ = torch.cuda.mem_get_info()
+x = torch.empty(max(free - (256 << 20), 0), dtype=torch.uint8, device="cuda")
+print("held", x.numel() >> 20, "MiB", flush=True)
+time.sleep(300)' >"$hog_log" 2>&1 &
+  hog=$!
+  for _ in $(seq 200); do
+    grep -q '^held' "$hog_log" && break
+    kill -0 "$hog" 2>/dev/null || break
+    sleep 0.3
+  done
+  if ! grep -q '^held' "$hog_log"; then
+    log "full: the memory hog did not start: $(tail -2 "$hog_log")"
+    kill "$hog" 2>/dev/null; wait "$hog" 2>/dev/null
+    return 1
+  fi
+  log "full: $(head -1 "$hog_log"); GPU free now $(nvidia-smi --query-gpu=memory.free --format=csv,noheader | head -1)"
+  if CTR_T=$(bigt) cc c restore --live --rw "$id" "$ref" >"$LOGS/$id-refused.txt" 2>&1; then
+    log "full: the restore was NOT refused"
+    rc=1
+  elif ! grep -q 'free GPU memory first' "$LOGS/$id-refused.txt"; then
+    log "full: refused, but not for the GPU's memory: $(head -c 400 "$LOGS/$id-refused.txt")"
+    rc=1
+  else
+    log "full: refused: $(grep -o 'this host cannot restore[^:]*: [^;]*' "$LOGS/$id-refused.txt" | head -1)"
+    figs+="refused=1 "
+  fi
+  # Nothing of the refused restore may be left: no task, and the checkpoint still there.
+  if [ -n "$(task_status "$id")" ]; then
+    log "full: the refused restore left a task ($(task_status "$id"))"
+    figs+="left_task=1 "
+    rc=1
+    CTR_T=20 cc task rm -f "$id" >/dev/null 2>&1 || true
+  fi
+  [ -n "$(image_digest "$ref")" ] || { log "full: the checkpoint $ref is gone"; rc=1; }
+  # ctr c restore created the container record before the task was refused.
+  CTR_T=30 cc c rm "$id" >/dev/null 2>&1 || true
+  kill "$hog" 2>/dev/null
+  wait "$hog" 2>/dev/null
+  return $rc
+}
+
 if ! want cdi; then
   skip_all cdi
 elif enough 60 cdi; then
@@ -1036,6 +1088,22 @@ elif enough 60 cdi; then
   kill_rm cdi
 else
   skip_all cdi
+fi
+
+if [ -z "${TORCH_ARGS[*]}" ]; then
+  result full SKIP 0 "python3 with torch not found on the host (it holds the GPU's memory)"
+elif ! want full; then
+  skip_all full
+elif enough 60 full; then
+  use_workload cuda "$SMALL"
+  if start_workload full "$GPUCR_RT"; then
+    CR_BEFORE_RESTORE=full_gpu_refusal cr_cycle full gpucr full || true
+  else
+    result full FAIL 0 "the CUDA container did not start (see logs/full.stdio)"
+  fi
+  kill_rm full
+else
+  skip_all full
 fi
 
 # e_diag PID LABEL: why a plugin-driven checkpoint hangs: the task's cgroup freezer, its threads'
