@@ -30,6 +30,7 @@ use crate::{
     reaper::Spawner,
     restore_helpers::RestoreHelpers,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
+    unpacked::UnpackedCheckpoint,
 };
 
 /// How long an exit waits for the process's output to drain before it is reported.
@@ -59,6 +60,9 @@ pub struct Container {
     pub init_pid: AtomicU32,
     /// Exec processes by exec id. A std mutex: never held across an await.
     pub execs: std::sync::Mutex<HashMap<String, Arc<ExecProcess>>>,
+    /// containerd's unpacked copy of the checkpoint being restored: removed after the
+    /// restore, or with the container when it never ran.
+    pub unpacked: std::sync::Mutex<Option<UnpackedCheckpoint>>,
 }
 
 /// Everything Create needs.
@@ -152,6 +156,11 @@ impl Container {
             log: cfg.bundle.join("log.json"),
             spawner: spawner.clone(),
         };
+        // Owned from here: a refused restore removes it too (dropped on return).
+        let unpacked = cfg
+            .checkpoint
+            .as_deref()
+            .and_then(|image| UnpackedCheckpoint::recognize(&cfg.id, image));
         let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
         let mut gpu_pairs = Vec::new();
         let mut gpu_processes = 0;
@@ -268,6 +277,7 @@ impl Container {
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
             execs: std::sync::Mutex::new(HashMap::new()),
+            unpacked: std::sync::Mutex::new(unpacked),
         })
     }
 
@@ -286,6 +296,8 @@ impl Container {
             init.pid = pid;
             init.io = io;
             init.restore = None;
+            // Done with the image (a failed restore keeps it until Delete).
+            drop(self.unpacked.lock().expect("unpacked lock").take());
         } else {
             self.runc.start(&self.id).await?;
         }

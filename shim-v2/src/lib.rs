@@ -24,6 +24,7 @@ pub mod runc;
 pub mod service;
 pub mod stats;
 pub mod task;
+pub mod unpacked;
 
 /// The runtime name containerd knows this shim by.
 pub const RUNTIME_ID: &str = "io.containerd.gpucr.v2";

@@ -136,10 +136,16 @@ impl Containerd {
             }
             None => path,
         };
+        // containerd unpacks checkpoints it restores into its temp dir (ctrd-checkpoint*):
+        // one of the daemon's own, so a test can see what is left there.
+        let tmp = root.join("tmp");
+        fs::create_dir(&tmp).map_err(HarnessError::io("create containerd's TMPDIR", &tmp))?;
         let child = Command::new("containerd")
             .arg("--config")
             .arg(&config_path)
             .env("PATH", path)
+            .env("TMPDIR", &tmp)
+            .env_remove("XDG_RUNTIME_DIR")
             .envs(env.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
             .stdin(Stdio::null())
             .stdout(log)
@@ -202,6 +208,46 @@ impl Containerd {
     /// The daemon's private directory (config, log, root, state); a place for test files too.
     pub fn dir(&self) -> &Path {
         &self.root
+    }
+
+    /// containerd's TMPDIR, where it unpacks a checkpoint it restores from the content store.
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.root.join("tmp")
+    }
+
+    /// What containerd unpacked for restores and is still there (`ctrd-checkpoint*`).
+    pub fn unpacked_checkpoints(&self) -> Vec<PathBuf> {
+        let Ok(entries) = fs::read_dir(self.tmp_dir()) else {
+            return Vec::new();
+        };
+        let mut found: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with("ctrd-checkpoint")
+            })
+            .map(|e| e.path())
+            .collect();
+        found.sort();
+        found
+    }
+
+    /// Waits until nothing containerd unpacked for a restore is left in its TMPDIR: gpucr
+    /// removes it once the restore is done with it, refused or not (containerd leaves it,
+    /// and so does the stock runc shim: a no-op for other runtimes).
+    pub fn wait_unpacked_removed(&self) -> Result<()> {
+        if self.runtime != GPUCR_RUNTIME {
+            return Ok(());
+        }
+        poll_until(
+            "containerd's unpacked checkpoints removed",
+            Duration::from_secs(10),
+            || {
+                let left = self.unpacked_checkpoints();
+                Ok(if left.is_empty() { Ok(()) } else { Err(left) })
+            },
+        )
     }
 
     /// containerd's state directory.

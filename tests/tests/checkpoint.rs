@@ -185,6 +185,8 @@ fn container_checkpoint_rw_then_live_restore_twice() {
     ctd.container_restore(&id, &reference, true)
         .expect("ctr container restore --live --rw");
     assert_continues(&ctd, &id, before, after, restored_at);
+    ctd.wait_unpacked_removed()
+        .expect("the restore's unpacked checkpoint is removed");
     let marker = ctd.exec(&id, &["cat", "/root/marker"]).unwrap();
     assert_eq!(
         marker.stdout.trim(),
@@ -205,6 +207,8 @@ fn container_checkpoint_rw_then_live_restore_twice() {
     ctd.container_restore(&id, &reference2, true)
         .expect("second restore");
     assert_continues(&ctd, &id, before, after, restored_at);
+    ctd.wait_unpacked_removed()
+        .expect("the second restore's copy is removed");
     ctd.remove_container(&id).unwrap();
 }
 

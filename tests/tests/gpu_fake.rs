@@ -613,6 +613,8 @@ fn assert_nothing_left(ctd: &Containerd, id: &str) {
     })
     .unwrap();
     assert!(!runc_knows(ctd, id), "runc still knows {id}");
+    ctd.wait_unpacked_removed()
+        .expect("containerd's unpacked copy of a refused checkpoint is removed");
     // ctr created the container record before the task; drop it for the next attempt.
     let _ = ctd.ctr(&["container", "rm", id]);
 }
