@@ -587,6 +587,8 @@ criu_err() {
   return 0
 }
 
+# unpacked_list: containerd's unpacked checkpoints in its TMPDIR, sorted.
+unpacked_list() { find "$CTD_TMP" -maxdepth 1 -name 'ctrd-checkpoint*' 2>/dev/null | sort; }
 image_digest() { CTR_T=30 cc image ls 2>/dev/null | awk -v r="$1" '$1 == r {print $3}'; }
 bigt() { if [ "${WL_GIB%%.*}" -ge 8 ] 2>/dev/null; then echo 400; else echo 150; fi; }
 
@@ -637,6 +639,9 @@ cr_cycle() {
   fi
   figs+="image_mib=$(du -sm "$CONTENT" 2>/dev/null | cut -f1) "
   kill_rm "$id"
+  # What containerd unpacked before (the stock shim's restores leave theirs there).
+  local unpacked_before
+  unpacked_before=$(unpacked_list)
   if [ -n "${CR_BEFORE_RESTORE:-}" ]; then "$CR_BEFORE_RESTORE" || ok=0; fi
   off=$(log_lines)
   t0=$(now_ms)
@@ -669,6 +674,13 @@ cr_cycle() {
     ok=0
   fi
   out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
+  if [ "$mode" = gpucr ]; then
+    # gpucr removes containerd's unpacked copy of the checkpoint after the restore.
+    local left
+    left=$(comm -13 <(echo "$unpacked_before") <(unpacked_list) | grep -c . || true)
+    figs+="unpacked_left=$left "
+    [ "$left" = 0 ] || { log "$id: containerd's unpacked checkpoint is still in $CTD_TMP"; ok=0; }
+  fi
   local v
   v=$(verify "$id" "$name") || ok=0
   if [ "$ok" = 1 ]; then
