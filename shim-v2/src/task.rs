@@ -602,7 +602,14 @@ impl TaskService {
 
 fn rpc<T>(r: Result<T>) -> TtrpcResult<T> {
     r.map_err(|e| {
-        tracing::debug!("rpc error: {e}");
+        // A failed or refused restore is what an operator looks for in containerd's log
+        // (containerd only hands it to the client; a failed checkpoint is logged where it
+        // fails); the rest (NotFound for a process already gone, …) is routine.
+        if matches!(e, Error::Restore { .. }) {
+            tracing::warn!("{e}");
+        } else {
+            tracing::debug!("rpc error: {e}");
+        }
         e.into()
     })
 }
