@@ -149,6 +149,27 @@ impl Container {
     /// Create: mount the rootfs (always by the end of Create: CRI unpacks a checkpoint's rootfs
     /// diff between Create and Start), then `runc create`, or arm a restore.
     pub async fn create(cfg: CreateConfig, spawner: Spawner) -> Result<Container> {
+        // Owned from here: a refused restore removes it before its error goes back (the
+        // shim exits soon after).
+        let unpacked = cfg
+            .checkpoint
+            .as_deref()
+            .and_then(|image| UnpackedCheckpoint::recognize(&cfg.id, image));
+        match Self::create_inner(cfg, spawner).await {
+            Ok(c) => {
+                *c.unpacked.lock().expect("unpacked lock") = unpacked;
+                Ok(c)
+            }
+            Err(e) => {
+                if let Some(u) = unpacked {
+                    u.discard().await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn create_inner(cfg: CreateConfig, spawner: Spawner) -> Result<Container> {
         let runc = Runc {
             binary: cfg.opts.binary().to_string(),
             root: cfg.opts.runc_root(&cfg.namespace),
@@ -156,11 +177,6 @@ impl Container {
             log: cfg.bundle.join("log.json"),
             spawner: spawner.clone(),
         };
-        // Owned from here: a refused restore removes it too (dropped on return).
-        let unpacked = cfg
-            .checkpoint
-            .as_deref()
-            .and_then(|image| UnpackedCheckpoint::recognize(&cfg.id, image));
         let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
         let mut gpu_pairs = Vec::new();
         let mut gpu_processes = 0;
@@ -277,7 +293,7 @@ impl Container {
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
             execs: std::sync::Mutex::new(HashMap::new()),
-            unpacked: std::sync::Mutex::new(unpacked),
+            unpacked: std::sync::Mutex::new(None),
         })
     }
 
@@ -296,8 +312,12 @@ impl Container {
             init.pid = pid;
             init.io = io;
             init.restore = None;
-            // Done with the image (a failed restore keeps it until Delete).
-            drop(self.unpacked.lock().expect("unpacked lock").take());
+            // Done with the image (a failed restore keeps it until Delete); removed in the
+            // background, Start does not wait for it.
+            let unpacked = self.unpacked.lock().expect("unpacked lock").take();
+            if let Some(u) = unpacked {
+                tokio::spawn(u.discard());
+            }
         } else {
             self.runc.start(&self.id).await?;
         }
@@ -532,6 +552,11 @@ impl Container {
         init.state = next;
         drop(init);
         unmount_rootfs(&self.bundle);
+        // A restore that never started (or failed): its image goes before the shim may exit.
+        let unpacked = self.unpacked.lock().expect("unpacked lock").take();
+        if let Some(u) = unpacked {
+            u.discard().await;
+        }
         let exit = self.init_exit.get().unwrap_or(ExitInfo {
             // Deleted before it ever ran (or killed by runc delete just now).
             status: if from == InitState::Created { 137 } else { 0 },

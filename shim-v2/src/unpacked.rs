@@ -55,6 +55,13 @@ impl UnpackedCheckpoint {
         &self.0
     }
 
+    /// Removes it now, off the runtime's workers, and waits: a shim about to exit (after a
+    /// refused Create or a Delete) must not leave half of it.
+    pub async fn discard(mut self) {
+        let path = std::mem::take(&mut self.0);
+        let _ = tokio::task::spawn_blocking(move || Self::remove(&path)).await;
+    }
+
     fn remove(path: &Path) {
         let started = std::time::Instant::now();
         match std::fs::remove_dir_all(path) {
@@ -71,6 +78,9 @@ impl UnpackedCheckpoint {
 impl Drop for UnpackedCheckpoint {
     fn drop(&mut self) {
         let path = std::mem::take(&mut self.0);
+        if path.as_os_str().is_empty() {
+            return; // discarded
+        }
         // Freeing tens of GB of tmpfs pages takes a while: never on a runtime worker.
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => {
@@ -138,6 +148,16 @@ mod tests {
         drop(UnpackedCheckpoint::recognize_in(&p, t.path()).unwrap());
         assert!(!p.exists());
         assert!(t.path().exists());
+    }
+
+    #[tokio::test]
+    async fn discarded_copies_are_gone_when_discard_returns() {
+        let (t, p) = dir_with("ctrd-checkpoint9");
+        UnpackedCheckpoint::recognize_in(&p, t.path())
+            .unwrap()
+            .discard()
+            .await;
+        assert!(!p.exists());
     }
 
     #[tokio::test]
