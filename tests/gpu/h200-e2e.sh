@@ -675,10 +675,16 @@ cr_cycle() {
   fi
   out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
   if [ "$mode" = gpucr ]; then
-    # gpucr removes containerd's unpacked copy of the checkpoint after the restore.
-    local left
-    left=$(comm -13 <(echo "$unpacked_before") <(unpacked_list) | grep -c . || true)
-    figs+="unpacked_left=$left "
+    # gpucr removes containerd's unpacked copy of the checkpoint after the restore, in the
+    # background (seconds for 17 GB just written to a disk: writeback).
+    local left t_rm
+    t_rm=$(now_ms)
+    for _ in $(seq 120); do
+      left=$(comm -13 <(echo "$unpacked_before") <(unpacked_list) | grep -c . || true)
+      [ "$left" = 0 ] && break
+      sleep 0.5
+    done
+    figs+="unpacked_left=$left unpacked_wait_s=$(secs_since "$t_rm") "
     [ "$left" = 0 ] || { log "$id: containerd's unpacked checkpoint is still in $CTD_TMP"; ok=0; }
   fi
   local v
