@@ -60,12 +60,11 @@ pub struct Container {
     pub init_pid: AtomicU32,
     /// Exec processes by exec id. A std mutex: never held across an await.
     pub execs: std::sync::Mutex<HashMap<String, Arc<ExecProcess>>>,
-    /// containerd's unpacked copy of the checkpoint being restored: removed after the
-    /// restore, or with the container when it never ran.
+    /// containerd's unpacked copy of the checkpoint being restored: removed in the
+    /// background after the restore, and gone (or its removal waited for) by Delete's end:
+    /// removing 17 GB just written to a disk took seconds on the H200 (writeback), and the
+    /// shim exits next.
     pub unpacked: std::sync::Mutex<Option<UnpackedCheckpoint>>,
-    /// Its removal after a successful restore, which Delete waits for: removing 17 GB just
-    /// written to a disk took seconds on the H200 (writeback), and the shim exits next.
-    pub unpacked_removal: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 /// Everything Create needs.
@@ -297,7 +296,6 @@ impl Container {
             init_pid: AtomicU32::new(pid),
             execs: std::sync::Mutex::new(HashMap::new()),
             unpacked: std::sync::Mutex::new(None),
-            unpacked_removal: std::sync::Mutex::new(None),
         })
     }
 
@@ -318,10 +316,8 @@ impl Container {
             init.restore = None;
             // Done with the image (a failed restore keeps it until Delete); removed in the
             // background, Start does not wait for it.
-            let unpacked = self.unpacked.lock().expect("unpacked lock").take();
-            if let Some(u) = unpacked {
-                let removal = tokio::spawn(u.discard());
-                *self.unpacked_removal.lock().expect("unpacked lock") = Some(removal);
+            if let Some(u) = self.unpacked.lock().expect("unpacked lock").as_mut() {
+                u.remove_in_background();
             }
         } else {
             self.runc.start(&self.id).await?;
@@ -562,10 +558,6 @@ impl Container {
         let unpacked = self.unpacked.lock().expect("unpacked lock").take();
         if let Some(u) = unpacked {
             u.discard().await;
-        }
-        let removal = self.unpacked_removal.lock().expect("unpacked lock").take();
-        if let Some(removal) = removal {
-            let _ = removal.await;
         }
         let exit = self.init_exit.get().unwrap_or(ExitInfo {
             // Deleted before it ever ran (or killed by runc delete just now).

@@ -20,7 +20,11 @@ const PREFIX: &str = "ctrd-checkpoint";
 
 /// A checkpoint directory containerd unpacked for this restore; removed on drop.
 #[derive(Debug)]
-pub struct UnpackedCheckpoint(PathBuf);
+pub struct UnpackedCheckpoint {
+    path: PathBuf,
+    /// The removal [`UnpackedCheckpoint::remove_in_background`] started.
+    removal: Option<tokio::task::JoinHandle<()>>,
+}
 
 impl UnpackedCheckpoint {
     /// `image` when it is containerd's unpacked copy, judged from this process's
@@ -31,7 +35,7 @@ impl UnpackedCheckpoint {
         }
         let found = Self::recognize_in(image, &containerd_temp_dir());
         if let Some(u) = &found {
-            tracing::debug!(id, image = %u.0.display(),
+            tracing::debug!(id, image = %u.path.display(),
                 "containerd's unpacked copy of the checkpoint: removed after the restore");
         }
         found
@@ -48,18 +52,28 @@ impl UnpackedCheckpoint {
             return None;
         }
         let meta = std::fs::symlink_metadata(image).ok()?;
-        meta.is_dir().then(|| Self(image.to_path_buf()))
+        meta.is_dir().then(|| Self {
+            path: image.to_path_buf(),
+            removal: None,
+        })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.0
+    /// Starts removing it, off the runtime's workers, without waiting (after a successful
+    /// restore: Start need not wait). Needs a tokio runtime.
+    pub fn remove_in_background(&mut self) {
+        if self.removal.is_none() && !self.path.as_os_str().is_empty() {
+            let path = std::mem::take(&mut self.path);
+            self.removal = Some(tokio::task::spawn_blocking(move || Self::remove(&path)));
+        }
     }
 
-    /// Removes it now, off the runtime's workers, and waits: a shim about to exit (after a
-    /// refused Create or a Delete) must not leave half of it.
+    /// Removes it (or waits for the removal already started), off the runtime's workers: a
+    /// shim about to exit (after a refused Create or a Delete) must not leave half of it.
     pub async fn discard(mut self) {
-        let path = std::mem::take(&mut self.0);
-        let _ = tokio::task::spawn_blocking(move || Self::remove(&path)).await;
+        self.remove_in_background();
+        if let Some(removal) = self.removal.take() {
+            let _ = removal.await;
+        }
     }
 
     fn remove(path: &Path) {
@@ -77,9 +91,9 @@ impl UnpackedCheckpoint {
 
 impl Drop for UnpackedCheckpoint {
     fn drop(&mut self) {
-        let path = std::mem::take(&mut self.0);
+        let path = std::mem::take(&mut self.path);
         if path.as_os_str().is_empty() {
-            return; // discarded
+            return; // being removed, or discarded
         }
         // Freeing tens of GB of tmpfs pages takes a while: never on a runtime worker.
         match tokio::runtime::Handle::try_current() {
@@ -157,6 +171,15 @@ mod tests {
             .unwrap()
             .discard()
             .await;
+        assert!(!p.exists());
+    }
+
+    #[tokio::test]
+    async fn discard_waits_for_the_background_removal() {
+        let (t, p) = dir_with("ctrd-checkpoint10");
+        let mut u = UnpackedCheckpoint::recognize_in(&p, t.path()).unwrap();
+        u.remove_in_background();
+        u.discard().await;
         assert!(!p.exists());
     }
 
