@@ -31,6 +31,13 @@ pub fn pause_devices(pid: i32) -> i32 {
     let Some(driver) = plugin.driver.as_ref() else {
         return ENOTSUP;
     };
+    if plugin.shim.covers(pid) {
+        criu::log(
+            Level::Info,
+            &format!("CUDA process {pid} was quiesced by the gpucr shim: leaving it to the shim"),
+        );
+        return ENOTSUP;
+    }
     let upid = pid as u32;
     // Most tasks map nothing of NVIDIA's: no driver call (each is a child process) for them.
     if !is_cuda_candidate(upid) {
@@ -107,7 +114,11 @@ pub fn checkpoint_devices(pid: i32) -> i32 {
     let Some(driver) = plugin.driver.as_ref() else {
         return ENOTSUP;
     };
+    let shim_owned = plugin.shim.covers(pid);
     let Some(t) = plugin.tracked.iter_mut().find(|t| t.pid == pid) else {
+        if shim_owned {
+            return ENOTSUP;
+        }
         if is_cuda_candidate(pid as u32) && driver.get_restore_thread_id(pid as u32).is_ok() {
             // A CUDA process we did not pause (it initialised CUDA after seize).
             criu::log(

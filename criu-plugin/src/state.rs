@@ -16,7 +16,6 @@ pub struct Tracked {
     pub checkpointed: bool,
 }
 
-#[derive(Default)]
 pub struct Plugin {
     /// `None`: no CUDA driver here, or the plugin is off for this stage.
     pub driver: Option<IsolatedDriver>,
@@ -24,6 +23,20 @@ pub struct Plugin {
     pub tracked: Vec<Tracked>,
     /// Restore: which recorded GPU becomes which here (empty: the same GPUs).
     pub gpu_pairs: Vec<GpuPair>,
+    /// The processes the gpucr shim quiesced (see `shim`), read once at init.
+    pub shim: crate::shim::Quiesced,
+}
+
+impl Default for Plugin {
+    fn default() -> Self {
+        Plugin {
+            driver: None,
+            inventory_added: false,
+            tracked: Vec::new(),
+            gpu_pairs: Vec::new(),
+            shim: crate::shim::Quiesced::from_env(),
+        }
+    }
 }
 
 static PLUGIN: Mutex<Option<Plugin>> = Mutex::new(None);

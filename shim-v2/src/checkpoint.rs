@@ -15,7 +15,7 @@
 use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use serde::{Deserialize, Serialize};
@@ -96,6 +96,19 @@ fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, FileEntry>) 
         );
     }
     Ok(())
+}
+
+/// Bytes of the image's top-level files: what CRIU reads in a restore (the hook's images
+/// under `gpu-hook/` are not CRIU's).
+pub fn image_bytes(image: &Path) -> u64 {
+    std::fs::read_dir(image)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
 }
 
 /// CRIU errors that appear in every run on some hosts and never cause a failure.
@@ -191,8 +204,14 @@ impl Container {
     }
 
     /// Checkpoints the task into `image`. On failure the task is left running (resumed if
-    /// the failed dump left it frozen) and CRIU's log is kept in the bundle.
-    pub async fn checkpoint(&self, image: &Path, req: &CheckpointRequest) -> Result<()> {
+    /// the failed dump left it frozen) and CRIU's log is kept in the bundle. `request` is
+    /// the client's own deadline, if it sent one (see `deadline`).
+    pub async fn checkpoint(
+        &self,
+        image: &Path,
+        req: &CheckpointRequest,
+        request: Option<Duration>,
+    ) -> Result<()> {
         let init = self.init.lock().await;
         init.state.next(Verb::Checkpoint)?;
         let work = self.work_dir(req);
@@ -231,9 +250,36 @@ impl Container {
             }
         };
         let thawed = self.thaw_for_plugin(init.state).await?;
+        // CRIU's CUDA plugin (loaded whenever it is installed) leaves alone what the shim
+        // quiesced: the driver path's processes and the hook's.
+        let mut quiesced_pids = quiesced
+            .as_ref()
+            .map(gpu::Quiesced::pids)
+            .unwrap_or_default();
+        quiesced_pids.extend(
+            hooked
+                .as_ref()
+                .map(HookCheckpoint::moved_pids)
+                .unwrap_or_default(),
+        );
+        let marker = gpu::shim_quiesced_value(&quiesced_pids);
+        let env: Vec<(&str, &str)> = match self.gpu.quiescer {
+            gpu::Quiescer::Shim => vec![(gpu::SHIM_QUIESCED_ENV, marker.as_str())],
+            gpu::Quiescer::CriuPlugin => Vec::new(),
+        };
+        let pids = self.runc.ps(&self.id).await.unwrap_or_default();
+        let deadline = self
+            .deadlines
+            .checkpoint(crate::deadline::resident_bytes(&pids), request);
         let started = Instant::now();
-        tracing::info!(id = %self.id, image = %image.display(), exit = req.exit, "checkpoint");
-        let dumped = self.runc.checkpoint(&self.id, &opts).await;
+        tracing::info!(id = %self.id, image = %image.display(), exit = req.exit,
+            quiescer = ?self.gpu.quiescer, shim_quiesced = %marker,
+            cuda_plugins = ?gpu::criu_cuda_plugins(), deadline = ?deadline.after,
+            deadline_from = %deadline.source, "checkpoint");
+        let dumped = self
+            .runc
+            .checkpoint(&self.id, &opts, &env, Some(deadline.after))
+            .await;
         if thawed && (dumped.is_err() || !req.exit) {
             if let Err(e) = self.runc.pause(&self.id).await {
                 tracing::error!(id = %self.id, "re-pausing after the plugin's checkpoint: {e}");
@@ -243,9 +289,13 @@ impl Container {
             let log = work.join("dump.log");
             let kept = self.bundle.join("criu-dump.log");
             let _ = std::fs::copy(&log, &kept);
-            let mut msg = match criu_first_error(&log) {
-                Some(line) => format!("{e}; CRIU: {line}"),
-                None => e.to_string(),
+            let mut msg = match (&e, criu_first_error(&log)) {
+                (Error::TimedOut { .. }, _) => format!(
+                    "{e} (deadline: {}); CRIU's dump was cut short",
+                    deadline.source
+                ),
+                (_, Some(line)) => format!("{e}; CRIU: {line}"),
+                (_, None) => e.to_string(),
             };
             // Thaw first: the driver's restore runs a thread inside the process.
             self.ensure_running(init.state).await;
@@ -297,6 +347,9 @@ impl Container {
                 Some(record)
             }
             Some(h) => Some(Some(h.record())),
+            // The hook is in the container but CRIU's plugin moved the GPU: the record
+            // still says so, for the restore's mounts.
+            None if self.hook => Some(Some(HookRecord::injected_only())),
             None => None,
         };
         // Whether the hook was there, and what it moved (timings, bytes, fallbacks).

@@ -15,6 +15,7 @@ use containerd_shim_protos::{api::Mount, protobuf::well_known_types::any::Any};
 use tokio::sync::Mutex;
 
 use crate::{
+    deadline::Deadlines,
     error::{Error, IoContext, Result},
     gpu::{self, GpuConfig},
     gpu_hook::{self, HookRecord},
@@ -46,6 +47,8 @@ pub struct Container {
     pub rootfs: Vec<Mount>,
     /// How GPU processes of this container are quiesced (from its annotations).
     pub gpu: GpuConfig,
+    /// How long CRIU may take (from its annotations, else by memory).
+    pub deadlines: Deadlines,
     /// CUDA processes left LOCKED by a checkpoint of a paused task; unlocked by Resume.
     pub gpu_locked: std::sync::Mutex<Option<gpu::Quiesced>>,
     /// Whether the container's processes have the hook library preloaded.
@@ -55,6 +58,12 @@ pub struct Container {
     pub hook_pending: std::sync::Mutex<Option<gpu_hook::HookCheckpoint>>,
     /// The init process; held across one verb (see InitProcess).
     pub init: Mutex<InitProcess>,
+    /// The init's state as last set: State and Kill answer from it while a verb holds
+    /// `init` (a checkpoint or a restore can take minutes), as containerd's runc shim
+    /// answers from its recorded state.
+    observed: std::sync::Mutex<InitState>,
+    /// A signal Kill sent while a restore ran: delivered once the restored task exists.
+    pending_kill: std::sync::Mutex<Option<(u32, bool)>>,
     pub init_exit: ExitCell,
     /// Copy of the init pid readable without the lock (Connect, exit routing).
     pub init_pid: AtomicU32,
@@ -179,7 +188,9 @@ impl Container {
             log: cfg.bundle.join("log.json"),
             spawner: spawner.clone(),
         };
-        let gpu = GpuConfig::from_annotations(&spec_annotations(&cfg.bundle))?;
+        let annotations = spec_annotations(&cfg.bundle);
+        let gpu = GpuConfig::from_annotations(&annotations)?;
+        let deadlines = Deadlines::from_annotations(&annotations)?;
         let mut gpu_pairs = Vec::new();
         let mut gpu_processes = 0;
         let hook;
@@ -201,7 +212,7 @@ impl Container {
             }
             // CRIU restores the hook's bind mounts by destination: they must be in the spec
             // (with this host's sources) before the host plan checks every recorded mount.
-            hook = hook_record.is_some_and(|r| r.injected);
+            hook = hook_spec::was_injected(image, hook_record.as_ref());
             if hook {
                 hook_spec::inject_at_restore(&cfg.bundle).map_err(refuse)?;
             }
@@ -279,6 +290,7 @@ impl Container {
             }
         };
         let pid = init.pid;
+        let observed = std::sync::Mutex::new(init.state);
         Ok(Container {
             id: cfg.id,
             bundle: cfg.bundle,
@@ -288,10 +300,13 @@ impl Container {
             stdio: cfg.stdio,
             rootfs: cfg.rootfs,
             gpu,
+            deadlines,
             gpu_locked: std::sync::Mutex::new(None),
             hook,
             hook_pending: std::sync::Mutex::new(None),
             init: Mutex::new(init),
+            observed,
+            pending_kill: std::sync::Mutex::new(None),
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
             execs: std::sync::Mutex::new(HashMap::new()),
@@ -303,14 +318,34 @@ impl Container {
         self.init_pid.load(Ordering::SeqCst)
     }
 
+    /// The init's state, without waiting for a verb in progress.
+    pub fn state(&self) -> InitState {
+        *self.observed.lock().expect("observed lock")
+    }
+
+    /// Every change of the init's state goes through here (the lock-free copy follows).
+    fn set_state(&self, init: &mut InitProcess, next: InitState) {
+        init.state = next;
+        *self.observed.lock().expect("observed lock") = next;
+    }
+
     /// Start the init process: `runc start`, or `runc restore` when Create armed one.
     /// `on_pid` registers the new pid with the reaper routing before the lock is released.
-    pub async fn start(&self, on_pid: impl FnOnce(u32)) -> Result<u32> {
+    /// `request`: the client's deadline, if it sent one (a restore's deadline).
+    pub async fn start(&self, on_pid: impl FnOnce(u32), request: Option<Duration>) -> Result<u32> {
         let mut init = self.init.lock().await;
         let next = init.state.next(Verb::Start)?;
         if let Some(restore) = init.restore.clone() {
             let gpu = (init.gpu_pairs.clone(), init.gpu_processes);
-            let (pid, io) = self.restore(&restore, gpu).await?;
+            let restored = self.restore(&restore, gpu, request).await;
+            let (pid, io) = match restored {
+                Ok(v) => v,
+                Err(e) => {
+                    // Nothing to deliver it to.
+                    self.pending_kill.lock().expect("pending_kill lock").take();
+                    return Err(e);
+                }
+            };
             init.pid = pid;
             init.io = io;
             init.restore = None;
@@ -322,9 +357,21 @@ impl Container {
         } else {
             self.runc.start(&self.id).await?;
         }
-        init.state = next;
+        // Under the pending lock: a Kill either saw the old state and left its signal, or
+        // sees Running and signals itself.
+        let pending = {
+            let mut pending = self.pending_kill.lock().expect("pending_kill lock");
+            self.set_state(&mut init, next);
+            pending.take()
+        };
         self.init_pid.store(init.pid, Ordering::SeqCst);
         on_pid(init.pid);
+        if let Some((signal, all)) = pending {
+            tracing::info!(id = %self.id, signal, "delivering the kill sent during the restore");
+            if let Err(e) = self.runc.kill(&self.id, signal, all).await {
+                tracing::warn!(id = %self.id, "kill sent during the restore: {e}");
+            }
+        }
         Ok(init.pid)
     }
 
@@ -332,17 +379,27 @@ impl Container {
         &self,
         r: &RestoreOpts,
         (gpu_pairs, gpu_expected): (Vec<gpu_state::GpuPair>, usize),
+        request: Option<Duration>,
     ) -> Result<(u32, crate::io::ProcessIo)> {
         let started = std::time::Instant::now();
         let (child, pending) =
             PendingIo::prepare(&self.stdio, self.io_owner(), &self.runc.spawner)?;
         let mut r = r.clone();
         r.console_socket = pending.console_socket().map(Path::to_path_buf);
-        if self.gpu.quiescer != gpu::Quiescer::Shim && !gpu_pairs.is_empty() {
+        match self.gpu.quiescer {
+            // The shim gives every restored CUDA process its GPU state back after CRIU;
+            // gpucr's CUDA plugin, if installed, stays out of it.
+            gpu::Quiescer::Shim => r.env.push((gpu::SHIM_QUIESCED_ENV.into(), "all".into())),
             // A CUDA CRIU plugin restores the GPU state inside `runc restore`: it gets the
             // pairs this host's plan made (gpucr's plugin reads GPUCR_GPU_MAP).
-            r.env.extend(gpu::plugin_pair_env(&gpu_pairs));
+            gpu::Quiescer::CriuPlugin => r.env.extend(gpu::plugin_pair_env(&gpu_pairs)),
         }
+        let deadline = self.deadlines.restore(
+            crate::checkpoint::image_bytes(&r.checkpoint.image_path),
+            request,
+        );
+        tracing::info!(id = %self.id, deadline = ?deadline.after,
+            deadline_from = %deadline.source, quiescer = ?self.gpu.quiescer, "restore");
         if let Some(w) = &r.checkpoint.work_path {
             std::fs::create_dir_all(w).ctx(|| format!("creating {}", w.display()))?;
         }
@@ -360,7 +417,10 @@ impl Container {
         };
         let mut helpers = None;
         let res = async {
-            let restored = self.runc.restore(&self.id, &r, child).await;
+            let restored = self
+                .runc
+                .restore(&self.id, &r, child, Some(deadline.after))
+                .await;
             if let Some(starting) = starting {
                 helpers = starting.await.ok();
             }
@@ -402,9 +462,21 @@ impl Container {
                     .as_deref()
                     .map(|w| w.join("restore.log"))
                     .and_then(|log| crate::checkpoint::criu_first_error(&log).map(|l| (log, l)));
-                let msg = match criu {
-                    Some((log, line)) => format!("{e}; CRIU: {line} (see {})", log.display()),
-                    None => e.to_string(),
+                let msg = match (&e, criu) {
+                    (Error::TimedOut { .. }, _) => format!(
+                        "{e} (deadline: {}); nothing of the restore was left running; CRIU's \
+                         log: {}",
+                        deadline.source,
+                        r.checkpoint
+                            .work_path
+                            .as_deref()
+                            .map(|w| w.join("restore.log").display().to_string())
+                            .unwrap_or_default()
+                    ),
+                    (_, Some((log, line))) => {
+                        format!("{e}; CRIU: {line} (see {})", log.display())
+                    }
+                    (_, None) => e.to_string(),
                 };
                 Err(Error::Restore {
                     id: self.id.clone(),
@@ -485,7 +557,7 @@ impl Container {
         let mut init = self.init.lock().await;
         let next = init.state.next(Verb::Pause)?;
         self.runc.pause(&self.id).await?;
-        init.state = next;
+        self.set_state(&mut init, next);
         Ok(())
     }
 
@@ -493,7 +565,7 @@ impl Container {
         let mut init = self.init.lock().await;
         let next = init.state.next(Verb::Resume)?;
         self.runc.resume(&self.id).await?;
-        init.state = next;
+        self.set_state(&mut init, next);
         let locked = self.gpu_locked.lock().expect("gpu_locked lock").take();
         if let Some(q) = locked {
             q.unlock().await?;
@@ -507,17 +579,28 @@ impl Container {
         Ok(())
     }
 
+    /// Kill answers from the recorded state, not under the init lock: a checkpoint or
+    /// restore may hold it for minutes, and the signal must still reach the task (a
+    /// checkpoint it interrupts fails and says so).
     pub async fn kill(&self, signal: u32, all: bool) -> Result<()> {
-        let init = self.init.lock().await;
-        if init.state == InitState::Stopped {
-            return Err(Error::ProcessNotFound {
-                id: self.id.clone(),
-                exec_id: String::new(),
-            });
-        }
-        init.state.next(Verb::Kill)?;
-        if init.state == InitState::CreatedCheckpoint {
-            return Ok(()); // nothing runs yet
+        {
+            let mut pending = self.pending_kill.lock().expect("pending_kill lock");
+            let state = self.state();
+            if state == InitState::Stopped {
+                return Err(Error::ProcessNotFound {
+                    id: self.id.clone(),
+                    exec_id: String::new(),
+                });
+            }
+            state.next(Verb::Kill)?;
+            if state == InitState::CreatedCheckpoint {
+                if self.init.try_lock().is_err() {
+                    tracing::info!(id = %self.id, signal, "kill during the restore: delivered \
+                        once the task is restored");
+                    *pending = Some((signal, all));
+                }
+                return Ok(()); // nothing runs yet
+            }
         }
         self.runc.kill(&self.id, signal, all).await
     }
@@ -550,7 +633,7 @@ impl Container {
             }
         }
         init.io.shutdown();
-        init.state = next;
+        self.set_state(&mut init, next);
         drop(init);
         unmount_rootfs(&self.bundle);
         // A restore's image goes before the shim may exit: removed now when the restore
@@ -572,16 +655,12 @@ impl Container {
     pub async fn init_exited(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
         let mut init = self.init.lock().await;
         match init.state.next(Verb::Exit) {
-            Ok(next) => init.state = next,
+            Ok(next) => self.set_state(&mut init, next),
             Err(_) => return None, // deleted already: reported by Delete
         }
         let io = std::mem::take(&mut init.io);
         drop(init);
         record_exit(io, &self.init_exit, status, at).await
-    }
-
-    pub async fn state(&self) -> InitState {
-        self.init.lock().await.state
     }
 
     // --- exec processes ---

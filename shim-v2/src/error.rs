@@ -35,6 +35,13 @@ pub enum Error {
         image: PathBuf,
         msg: String,
     },
+    /// A step that ran out of time; what it started was killed.
+    #[error("{op} {msg}")]
+    TimedOut {
+        op: &'static str,
+        after: std::time::Duration,
+        msg: String,
+    },
     #[error("GPU: {0}")]
     Gpu(String),
     #[error("GPU hook: {0}")]
@@ -79,6 +86,7 @@ impl Error {
             Error::State(_) => Code::FAILED_PRECONDITION,
             Error::InvalidArgument(_) | Error::Decode { .. } => Code::INVALID_ARGUMENT,
             Error::Unsupported(_) => Code::UNIMPLEMENTED,
+            Error::TimedOut { .. } => Code::DEADLINE_EXCEEDED,
             Error::Runtime { .. }
             | Error::Checkpoint { .. }
             | Error::Restore { .. }

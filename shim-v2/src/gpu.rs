@@ -6,8 +6,14 @@
 //! Every failure brings the processes back to RUNNING (gpu-state rolls back) before the
 //! error is returned, so a failed checkpoint never leaves a GPU locked.
 //!
-//! When a CUDA-capable CRIU plugin (gpucr's or NVIDIA's, both named `cuda_plugin`) is
-//! installed, CRIU quiesces the GPU itself and the shim does not: never twice.
+//! Under gpucr the shim is the quiescer (hook fast path, then the driver path) unless the
+//! container asks for CRIU's CUDA plugin (`io.gpucr.gpu-quiesce=plugin`). A CUDA plugin in
+//! CRIU's directory (gpucr's, installed by install.sh, or NVIDIA's) is loaded by the same
+//! CRIU either way: the shim tells it which processes it already quiesced
+//! ([`SHIM_QUIESCED_ENV`] in runc's environment, which runc hands to CRIU), and gpucr's
+//! plugin leaves those alone. NVIDIA's plugin does not read it: without `cuda-checkpoint`
+//! it disables itself; with it, it leaves CHECKPOINTED processes so and restores them
+//! inside CRIU's restore, after which the shim finds them RUNNING and skips them.
 
 use std::{
     collections::HashMap,
@@ -23,8 +29,12 @@ use gpu_state::{
 
 use crate::error::{Error, Result};
 
-/// Annotation: `auto` (default), `shim` or `plugin` — who quiesces CUDA processes.
+/// Annotation: `auto` (default, = `shim`), `shim` or `plugin` — who quiesces CUDA processes.
 pub const QUIESCE_ANNOTATION: &str = "io.gpucr.gpu-quiesce";
+/// runc's (and so CRIU's) environment: what the shim quiesced itself, for CRIU's CUDA
+/// plugin. A dump: the host pids, comma-separated; a restore: `all` (the shim gives every
+/// restored CUDA process its GPU state back after CRIU).
+pub const SHIM_QUIESCED_ENV: &str = "GPUCR_SHIM_QUIESCED";
 /// Annotation: the driver lock timeout in milliseconds (default 10000).
 pub const LOCK_TIMEOUT_ANNOTATION: &str = "io.gpucr.gpu-lock-timeout-ms";
 /// Environment (of the shim): `1` makes every process of a container a GPU candidate.
@@ -47,14 +57,7 @@ pub struct GpuConfig {
 impl GpuConfig {
     pub fn from_annotations(annotations: &HashMap<String, String>) -> Result<GpuConfig> {
         let quiescer = match annotations.get(QUIESCE_ANNOTATION).map(String::as_str) {
-            None | Some("auto") | Some("") => {
-                if criu_cuda_plugin_installed() {
-                    Quiescer::CriuPlugin
-                } else {
-                    Quiescer::Shim
-                }
-            }
-            Some("shim") => Quiescer::Shim,
+            None | Some("auto") | Some("") | Some("shim") => Quiescer::Shim,
             Some("plugin") => Quiescer::CriuPlugin,
             Some(other) => {
                 return Err(Error::invalid(format!(
@@ -83,18 +86,32 @@ fn criu_plugin_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/lib/criu"))
 }
 
-/// True when CRIU will load a plugin that handles CUDA processes.
-pub fn criu_cuda_plugin_installed() -> bool {
+/// The CUDA plugins CRIU will load (files of its plugin directory naming `cuda_plugin`):
+/// logged at a checkpoint, so an operator sees who else touches the GPU.
+pub fn criu_cuda_plugins() -> Vec<PathBuf> {
     let Ok(dir) = std::fs::read_dir(criu_plugin_dir()) else {
-        return false;
+        return Vec::new();
     };
     dir.flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "so"))
-        .any(|e| {
-            std::fs::read(e.path())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "so"))
+        .filter(|p| {
+            std::fs::read(p)
                 .map(|b| b.windows(11).any(|w| w == b"cuda_plugin"))
                 .unwrap_or(false)
         })
+        .collect()
+}
+
+/// The [`SHIM_QUIESCED_ENV`] value of a dump: the host pids the shim quiesced.
+pub fn shim_quiesced_value(pids: &[u32]) -> String {
+    let mut pids = pids.to_vec();
+    pids.sort_unstable();
+    pids.dedup();
+    pids.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// Pids (of `pids`) that map an NVIDIA device or libcuda: the only ones worth asking the
@@ -278,6 +295,18 @@ mod tests {
         assert_eq!(c.lock_timeout, Duration::from_millis(2500));
         a.insert(QUIESCE_ANNOTATION.to_string(), "both".to_string());
         assert!(GpuConfig::from_annotations(&a).is_err());
+        // Whatever CRIU's directory holds, the shim quiesces by default.
+        a.remove(QUIESCE_ANNOTATION);
+        assert_eq!(
+            GpuConfig::from_annotations(&a).unwrap().quiescer,
+            Quiescer::Shim
+        );
+    }
+
+    #[test]
+    fn quiesced_pids_reach_the_plugin_sorted_once() {
+        assert_eq!(shim_quiesced_value(&[42, 7, 42]), "7,42");
+        assert_eq!(shim_quiesced_value(&[]), "");
     }
 
     #[test]

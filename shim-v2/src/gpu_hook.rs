@@ -396,6 +396,18 @@ pub struct HookRecord {
 }
 
 impl HookRecord {
+    /// The record of a checkpoint whose container had the hook but whose GPU state the
+    /// hook did not move (CRIU's plugin did): the restore needs the hook's mounts all the
+    /// same, since CRIU restores the library mapped at them.
+    pub fn injected_only() -> HookRecord {
+        HookRecord {
+            version: RECORD_VERSION,
+            injected: true,
+            processes: Vec::new(),
+            fallbacks: Vec::new(),
+        }
+    }
+
     pub fn file_path(image: &Path) -> PathBuf {
         image.join(RECORD_FILE)
     }

@@ -234,6 +234,20 @@ pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value) -> Result<boo
     Ok(true)
 }
 
+/// Whether the checkpointed container had the hook: its record says so, or (an image
+/// without one) the host manifest recorded the hook's bind mounts.
+pub fn was_injected(image: &Path, record: Option<&crate::gpu_hook::HookRecord>) -> bool {
+    if let Some(r) = record {
+        return r.injected;
+    }
+    gpucr_cdi::HostManifest::file_path(image).exists()
+        && gpucr_cdi::HostManifest::load(image).is_ok_and(|m| {
+            m.bind_mounts
+                .iter()
+                .any(|b| b.destination == CONTAINER_LIB || b.destination == CONTAINER_SOCKET_DIR)
+        })
+}
+
 /// Restore of an image whose container had the hook: the same mounts, this host's
 /// sources. Refuses when the library is missing (CRIU could not restore the mounts).
 pub fn inject_at_restore(bundle: &Path) -> Result<()> {

@@ -6,9 +6,10 @@
 use std::{
     collections::HashMap,
     io::Read,
-    process::{Child, Command, ExitStatus as StdExitStatus},
+    os::unix::process::CommandExt,
+    process::{Child, Command},
     sync::{Arc, Mutex},
-    time::SystemTime,
+    time::{Duration, SystemTime},
 };
 
 use nix::{
@@ -116,63 +117,103 @@ pub enum Spawner {
 }
 
 impl Spawner {
-    /// Runs `cmd` to completion, capturing stdout and stderr.
-    pub async fn output(&self, mut cmd: Command) -> std::io::Result<Output> {
+    pub async fn output(&self, cmd: Command) -> std::io::Result<Output> {
+        self.output_within(cmd, None).await
+    }
+
+    /// Runs `cmd` to its end and captures its output; with `within`, a command still
+    /// running then is killed with everything it started (see [`kill_tree`]) and the
+    /// answer is an error of kind `TimedOut`.
+    pub async fn output_within(
+        &self,
+        mut cmd: Command,
+        within: Option<Duration>,
+    ) -> std::io::Result<Output> {
         cmd.stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
-        match self {
-            Spawner::Plain => {
-                let out = tokio::task::spawn_blocking(move || cmd.output())
-                    .await
-                    .map_err(std::io::Error::other)??;
-                Ok(Output {
-                    status: status_code(out.status),
-                    stdout: out.stdout,
-                    stderr: out.stderr,
-                })
-            }
-            Spawner::Reaped(reaper) => {
-                let (mut child, exit) = reaper.spawn(&mut cmd)?;
-                let stdout = child.stdout.take().map(read_all);
-                let stderr = child.stderr.take().map(read_all);
-                let stdout = join(stdout).await;
-                let stderr = join(stderr).await;
-                let exit = exit
-                    .await
-                    .map_err(|_| std::io::Error::other("reaper stopped"))?;
-                Ok(Output {
-                    status: exit.status,
-                    stdout,
-                    stderr,
-                })
-            }
+        if within.is_some() {
+            cmd.process_group(0);
+        }
+        let (mut child, mut exit) = self.spawn_waited(cmd)?;
+        let pid = child.id() as i32;
+        let stdout = child.stdout.take().map(read_all);
+        let stderr = child.stderr.take().map(read_all);
+        let finished = async {
+            let stdout = join(stdout).await;
+            let stderr = join(stderr).await;
+            let exit = (&mut exit).await?;
+            Ok::<_, std::io::Error>(Output {
+                status: exit,
+                stdout,
+                stderr,
+            })
+        };
+        match within {
+            None => finished.await,
+            Some(d) => match tokio::time::timeout(d, finished).await {
+                Ok(r) => r,
+                Err(_) => Err(killed_after(pid, d, exit).await),
+            },
         }
     }
 
-    /// Runs `cmd` (whose stdio the caller set) to completion and returns its exit status.
-    pub async fn status(&self, mut cmd: Command) -> std::io::Result<i32> {
+    pub async fn status(&self, cmd: Command) -> std::io::Result<i32> {
+        self.status_within(cmd, None).await
+    }
+
+    /// Runs `cmd` to its end; `within` as for [`Spawner::output_within`].
+    pub async fn status_within(
+        &self,
+        mut cmd: Command,
+        within: Option<Duration>,
+    ) -> std::io::Result<i32> {
+        if within.is_some() {
+            cmd.process_group(0);
+        }
+        let (child, mut exit) = self.spawn_waited(cmd)?;
+        let pid = child.id() as i32;
+        drop(child);
+        match within {
+            None => exit.await,
+            Some(d) => match tokio::time::timeout(d, &mut exit).await {
+                Ok(r) => r,
+                Err(_) => Err(killed_after(pid, d, exit).await),
+            },
+        }
+    }
+
+    /// Spawns `cmd` and returns a future of its exit status.
+    fn spawn_waited(&self, mut cmd: Command) -> std::io::Result<(Child, ExitFuture)> {
         match self {
             Spawner::Plain => {
-                let st = tokio::task::spawn_blocking(move || cmd.status())
-                    .await
-                    .map_err(std::io::Error::other)??;
-                Ok(status_code(st))
+                let child = cmd.spawn()?;
+                // The caller keeps the pipes; waiting only needs the pid.
+                let pid = Pid::from_raw(child.id() as i32);
+                let waited = tokio::task::spawn_blocking(move || loop {
+                    match waitpid(pid, None) {
+                        Ok(WaitStatus::Exited(_, code)) => return Ok(code),
+                        Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(128 + sig as i32),
+                        Ok(_) | Err(Errno::EINTR) => continue,
+                        Err(e) => return Err(std::io::Error::from(e)),
+                    }
+                });
+                let fut: ExitFuture =
+                    Box::pin(async move { waited.await.map_err(std::io::Error::other)? });
+                Ok((child, fut))
             }
             Spawner::Reaped(reaper) => {
                 let (child, exit) = reaper.spawn(&mut cmd)?;
-                // Close our copies of the child's stdio now, so pipes see EOF when it is done.
-                drop(cmd);
-                drop(child);
-                let exit = exit
-                    .await
-                    .map_err(|_| std::io::Error::other("reaper stopped"))?;
-                Ok(exit.status)
+                let fut: ExitFuture = Box::pin(async move {
+                    exit.await
+                        .map(|e| e.status)
+                        .map_err(|_| std::io::Error::other("reaper stopped"))
+                });
+                Ok((child, fut))
             }
         }
     }
 
-    /// Spawns a long-lived helper (a logging binary) whose exit is reaped but not awaited.
     pub fn spawn_detached(&self, cmd: &mut Command) -> std::io::Result<u32> {
         match self {
             Spawner::Plain => Ok(cmd.spawn()?.id()),
@@ -182,6 +223,55 @@ impl Spawner {
             }
         }
     }
+}
+
+type ExitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<i32>> + Send>>;
+
+/// How long a killed command's exit is waited for before the caller is answered anyway.
+const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// Kills the command `pid` that outlived `after` with what it started, waits (bounded)
+/// for its exit, and says so as a `TimedOut` error.
+async fn killed_after(pid: i32, after: Duration, exit: ExitFuture) -> std::io::Error {
+    let killed = kill_tree(pid);
+    let reaped = tokio::time::timeout(KILLED_EXIT_WAIT, exit).await.is_ok();
+    tracing::warn!(pid, killed = ?killed, reaped, "command outlived its deadline of {after:?}: killed");
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("did not finish within {after:?} and was killed (pid {pid} and {} processes it started)", killed.len().saturating_sub(1)),
+    )
+}
+
+/// SIGKILLs `root`, every descendant of it (CRIU under runc, and what CRIU forked), and
+/// its process group. Descendants first collected, then killed: a killed parent's
+/// children would be reparented (to the shim, a subreaper) and look unrelated.
+pub fn kill_tree(root: i32) -> Vec<i32> {
+    use nix::sys::signal::{kill, killpg, Signal};
+    let mut tree = vec![root];
+    let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // The command name may hold spaces and parentheses: fields follow the last ')'.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let ppid: i32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut i = 0;
+    while i < tree.len() {
+        let p = tree[i];
+        tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    for p in &tree {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+    }
+    let _ = killpg(Pid::from_raw(root), Signal::SIGKILL);
+    tree
 }
 
 fn read_all<R: Read + Send + 'static>(mut r: R) -> tokio::task::JoinHandle<Vec<u8>> {
@@ -197,11 +287,6 @@ async fn join(h: Option<tokio::task::JoinHandle<Vec<u8>>>) -> Vec<u8> {
         Some(h) => h.await.unwrap_or_default(),
         None => Vec::new(),
     }
-}
-
-fn status_code(st: StdExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    st.code().unwrap_or_else(|| 128 + st.signal().unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -231,5 +316,57 @@ mod tests {
             .unwrap();
         assert_eq!(exit.pid, pid);
         assert_eq!(exit.status, 137);
+    }
+
+    #[tokio::test]
+    async fn a_command_past_its_deadline_is_killed_with_its_children() {
+        let (reaper, _exits) = Reaper::start().unwrap();
+        let sp = Spawner::Reaped(reaper);
+        let marker = tempfile::NamedTempFile::new().unwrap();
+        // The child records its pid; both would outlive the test without the kill.
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            &format!(
+                "sh -c 'echo $$ > {}; exec sleep 600' & wait",
+                marker.path().display()
+            ),
+        ]);
+        let t0 = std::time::Instant::now();
+        let err = sp
+            .output_within(cmd, Some(Duration::from_millis(500)))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+        let child: i32 = std::fs::read_to_string(marker.path())
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // Killed (a zombie until the test's reaper collects it, then gone).
+        let alive = || {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .map(|s| !s.contains(") Z "))
+                .unwrap_or(false)
+        };
+        for _ in 0..50 {
+            if !alive() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            !alive(),
+            "the command's child {child} survived its deadline"
+        );
+        // Within its deadline the same call just answers.
+        let mut ok = Command::new("true");
+        ok.arg("x");
+        let out = sp
+            .output_within(ok, Some(Duration::from_secs(5)))
+            .await
+            .unwrap();
+        assert_eq!(out.status, 0);
     }
 }

@@ -6,6 +6,7 @@
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    time::Duration,
 };
 
 use serde::Deserialize;
@@ -189,14 +190,25 @@ impl Runc {
         args: &[String],
         env: &[(&str, &str)],
     ) -> Result<Vec<u8>> {
+        self.run_within(op, args, env, None).await
+    }
+
+    /// [`Runc::run_env`] with a deadline: past it, runc and CRIU under it are killed.
+    async fn run_within(
+        &self,
+        op: &'static str,
+        args: &[String],
+        env: &[(&str, &str)],
+        within: Option<Duration>,
+    ) -> Result<Vec<u8>> {
         let mut cmd = self.command();
         cmd.args(args).envs(env.iter().copied());
-        tracing::debug!(binary = %self.binary, ?args, "runc");
+        tracing::debug!(binary = %self.binary, ?args, ?within, "runc");
         let out = self
             .spawner
-            .output(cmd)
+            .output_within(cmd, within)
             .await
-            .map_err(|e| self.spawn_error(op, e))?;
+            .map_err(|e| self.spawn_error(op, e, within))?;
         if out.status != 0 {
             return Err(Error::Runtime {
                 op,
@@ -213,6 +225,7 @@ impl Runc {
         args: &[String],
         env: &[(String, String)],
         stdio: ChildStdio,
+        within: Option<Duration>,
     ) -> Result<()> {
         let mut cmd = self.command();
         cmd.args(args)
@@ -223,9 +236,9 @@ impl Runc {
         tracing::debug!(binary = %self.binary, ?args, "runc");
         let status = self
             .spawner
-            .status(cmd)
+            .status_within(cmd, within)
             .await
-            .map_err(|e| self.spawn_error(op, e))?;
+            .map_err(|e| self.spawn_error(op, e, within))?;
         if status != 0 {
             return Err(Error::Runtime {
                 op,
@@ -235,7 +248,14 @@ impl Runc {
         Ok(())
     }
 
-    fn spawn_error(&self, op: &'static str, e: std::io::Error) -> Error {
+    fn spawn_error(&self, op: &'static str, e: std::io::Error, within: Option<Duration>) -> Error {
+        if let (std::io::ErrorKind::TimedOut, Some(after)) = (e.kind(), within) {
+            return Error::TimedOut {
+                op,
+                after,
+                msg: e.to_string(),
+            };
+        }
         Error::Runtime {
             op,
             msg: format!(
@@ -289,7 +309,8 @@ impl Runc {
             a.push("--no-pivot".into());
         }
         a.push(id.into());
-        self.run_with_stdio("runc create", &a, &[], stdio).await
+        self.run_with_stdio("runc create", &a, &[], stdio, None)
+            .await
     }
 
     pub async fn start(&self, id: &str) -> Result<()> {
@@ -312,7 +333,7 @@ impl Runc {
             a.extend(["--console-socket".into(), path_arg(s)]);
         }
         a.push(id.into());
-        self.run_with_stdio("runc exec", &a, &[], stdio).await
+        self.run_with_stdio("runc exec", &a, &[], stdio, None).await
     }
 
     pub async fn kill(&self, id: &str, signal: u32, all: bool) -> Result<()> {
@@ -396,7 +417,15 @@ impl Runc {
         Ok(v.get("data").cloned().unwrap_or(serde_json::Value::Null))
     }
 
-    pub async fn checkpoint(&self, id: &str, o: &CheckpointOpts) -> Result<()> {
+    /// `runc checkpoint`; `env` reaches CRIU and its plugins; past `within` runc and CRIU
+    /// are killed ([`Error::TimedOut`]).
+    pub async fn checkpoint(
+        &self,
+        id: &str,
+        o: &CheckpointOpts,
+        env: &[(&str, &str)],
+        within: Option<Duration>,
+    ) -> Result<()> {
         self.reset_log();
         let mut a: Vec<String> = vec!["checkpoint".into()];
         a.extend(o.args());
@@ -404,21 +433,28 @@ impl Runc {
         // gpucr's CRIU plugin reads this to know whether the dumped tasks live on (runc talks
         // to CRIU over RPC, where the plugin cannot see --leave-running).
         let leave = if o.leave_running { "1" } else { "0" };
-        self.run_env(
-            "runc checkpoint",
-            &a,
-            &[("GPUCR_CRIU_LEAVE_RUNNING", leave)],
-        )
-        .await
-        .map(drop)
+        let mut env = env.to_vec();
+        env.push(("GPUCR_CRIU_LEAVE_RUNNING", leave));
+        self.run_within("runc checkpoint", &a, &env, within)
+            .await
+            .map(drop)
     }
 
-    pub async fn restore(&self, id: &str, o: &RestoreOpts, stdio: ChildStdio) -> Result<()> {
+    /// `runc restore`; past `within` runc and CRIU (with what it restored so far) are
+    /// killed ([`Error::TimedOut`]).
+    pub async fn restore(
+        &self,
+        id: &str,
+        o: &RestoreOpts,
+        stdio: ChildStdio,
+        within: Option<Duration>,
+    ) -> Result<()> {
         self.reset_log();
         let mut a: Vec<String> = vec!["restore".into()];
         a.extend(o.args());
         a.push(id.into());
-        self.run_with_stdio("runc restore", &a, &o.env, stdio).await
+        self.run_with_stdio("runc restore", &a, &o.env, stdio, within)
+            .await
     }
 }
 

@@ -22,6 +22,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::{
     container::{Container, CreateConfig},
+    deadline::request_timeout,
     error::{Error, Result},
     events::{publish, timestamp, EventSender},
     io::StdioSpec,
@@ -263,13 +264,21 @@ impl TaskService {
         })
     }
 
-    pub async fn task_start(&self, req: StartRequest) -> Result<StartResponse> {
+    /// `request`: the client's deadline (a restore's bound), if it sent one.
+    pub async fn task_start(
+        &self,
+        req: StartRequest,
+        request: Option<Duration>,
+    ) -> Result<StartResponse> {
         let inner = &self.inner;
         let c = inner.container(&req.id)?;
         let pid = if req.exec_id.is_empty() {
             let restoring = c.pid() == 0;
             let pid = c
-                .start(|pid| inner.register(pid, Owner::Init(req.id.clone())))
+                .start(
+                    |pid| inner.register(pid, Owner::Init(req.id.clone())),
+                    request,
+                )
                 .await?;
             if restoring {
                 crate::oom::watch(req.id.clone(), pid, inner.oom.clone());
@@ -356,7 +365,7 @@ impl TaskService {
     pub async fn task_state(&self, req: StateRequest) -> Result<StateResponse> {
         let c = self.inner.container(&req.id)?;
         if req.exec_id.is_empty() {
-            let state = c.state().await;
+            let state = c.state();
             let exit = c.init_exit.get();
             return Ok(StateResponse {
                 id: req.id.clone(),
@@ -551,7 +560,12 @@ impl TaskService {
         })
     }
 
-    pub async fn task_checkpoint(&self, req: CheckpointTaskRequest) -> Result<()> {
+    /// `request`: the client's deadline (the dump's bound), if it sent one.
+    pub async fn task_checkpoint(
+        &self,
+        req: CheckpointTaskRequest,
+        request: Option<Duration>,
+    ) -> Result<()> {
         let c = self.inner.container(&req.id)?;
         let opts = CheckpointRequest::decode(req.options.as_ref())?;
         let image = if !opts.image_path.is_empty() {
@@ -563,7 +577,7 @@ impl TaskService {
                 "checkpoint needs a path (CheckpointTaskRequest.path or options.image_path)",
             ));
         };
-        c.checkpoint(&image, &opts).await?;
+        c.checkpoint(&image, &opts, request).await?;
         self.inner
             .send(TaskCheckpointed {
                 container_id: req.id.clone(),
@@ -626,8 +640,8 @@ impl Task for TaskService {
     ) -> TtrpcResult<CreateTaskResponse> {
         rpc(self.task_create(r).await)
     }
-    async fn start(&self, _: &TtrpcContext, r: StartRequest) -> TtrpcResult<StartResponse> {
-        rpc(self.task_start(r).await)
+    async fn start(&self, ctx: &TtrpcContext, r: StartRequest) -> TtrpcResult<StartResponse> {
+        rpc(self.task_start(r, request_timeout(ctx.timeout_nano)).await)
     }
     async fn delete(&self, _: &TtrpcContext, r: DeleteRequest) -> TtrpcResult<DeleteResponse> {
         rpc(self.task_delete(r).await)
@@ -643,10 +657,13 @@ impl Task for TaskService {
     }
     async fn checkpoint(
         &self,
-        _: &TtrpcContext,
+        ctx: &TtrpcContext,
         r: CheckpointTaskRequest,
     ) -> TtrpcResult<api::Empty> {
-        rpc(self.task_checkpoint(r).await).map(|_| api::Empty::new())
+        rpc(self
+            .task_checkpoint(r, request_timeout(ctx.timeout_nano))
+            .await)
+        .map(|_| api::Empty::new())
     }
     async fn kill(&self, _: &TtrpcContext, r: KillRequest) -> TtrpcResult<api::Empty> {
         rpc(self.task_kill(r).await).map(|_| api::Empty::new())
