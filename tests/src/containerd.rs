@@ -45,40 +45,20 @@ pub fn runtime_under_test() -> String {
         .unwrap_or_else(|| GPUCR_RUNTIME.to_owned())
 }
 
-/// The directory holding `containerd-shim-gpucr-v2`: `GPUCR_SHIM_DIR`, else whichever of
-/// `<workspace>/target/{debug,release}` has the newer binary.
+/// The directory holding `containerd-shim-gpucr-v2`: `GPUCR_SHIM_DIR`, else where
+/// install.sh installs it (`/usr/local/bin`).
 pub fn shim_dir() -> Result<PathBuf> {
-    if let Some(dir) = std::env::var_os("GPUCR_SHIM_DIR") {
-        let dir = PathBuf::from(dir);
-        if !dir.join(GPUCR_SHIM_BINARY).is_file() {
-            return Err(HarnessError::ShimNotFound(format!(
-                "GPUCR_SHIM_DIR={} has no {GPUCR_SHIM_BINARY}",
-                dir.display()
-            )));
-        }
-        return Ok(dir);
+    let dir = std::env::var_os("GPUCR_SHIM_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(crate::installed::SHIM_DIR));
+    if !dir.join(GPUCR_SHIM_BINARY).is_file() {
+        return Err(HarnessError::ShimNotFound(format!(
+            "{} has no {GPUCR_SHIM_BINARY}: the tests run the installed layout, run \
+             install/install.sh first (or set GPUCR_SHIM_DIR)",
+            dir.display()
+        )));
     }
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ has a parent directory")
-        .to_path_buf();
-    ["debug", "release"]
-        .iter()
-        .map(|profile| workspace.join("target").join(profile))
-        .filter_map(|dir| {
-            let modified = fs::metadata(dir.join(GPUCR_SHIM_BINARY))
-                .and_then(|m| m.modified())
-                .ok()?;
-            Some((modified, dir))
-        })
-        .max_by_key(|(modified, _)| *modified)
-        .map(|(_, dir)| dir)
-        .ok_or_else(|| {
-            HarnessError::ShimNotFound(format!(
-                "not in {}/target/{{debug,release}}; build it or set GPUCR_SHIM_DIR",
-                workspace.display()
-            ))
-        })
+    Ok(dir)
 }
 
 /// A running containerd with its own root, state, sockets, log and namespace.

@@ -64,14 +64,14 @@ pub fn built_artifact(file: &str, package: &str) -> Result<PathBuf> {
 /// The hook's preload library as cargo builds it (package `gpucr-hook-preload`).
 pub const HOOK_LIB: &str = "libgpucr_hook.so";
 
-/// The hook's preload library (`libgpucr_hook.so`).
+/// The hook's preload library where install.sh installs it (the shim's default).
 pub fn hook_lib() -> Result<PathBuf> {
-    built_artifact(HOOK_LIB, "gpucr-hook-preload")
+    crate::installed::file(crate::installed::HOOK_LIB)
 }
 
-/// gpucr's CRIU plugin (`libgpucr_criu_plugin.so`).
+/// gpucr's CRIU plugin where install.sh installs it (CRIU's plugin directory).
 pub fn criu_plugin() -> Result<PathBuf> {
-    built_artifact(CRIU_PLUGIN, "gpucr-criu-plugin")
+    crate::installed::file(crate::installed::CRIU_PLUGIN)
 }
 
 /// One scripted fake driver: `libcuda.so.1`, its script and its logs in a temp dir.

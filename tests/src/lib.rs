@@ -1,5 +1,7 @@
 //! Test harness: starts containerd with a temporary config and builds images by hand.
 //!
+//! - The product is what `install/install.sh` installed, where it installed it
+//!   ([`installed`]): the shim, the hook library, CRIU's plugin in CRIU's own directory.
 //! - [`Containerd`] runs a private daemon (own root, state, sockets, namespace, log) with the
 //!   directory of `containerd-shim-gpucr-v2` first in its PATH, and cleans everything up on
 //!   drop, printing the daemon's log tail when the test panicked.
@@ -17,6 +19,7 @@ pub mod containerd;
 pub mod error;
 pub mod fake_cuda;
 pub mod image;
+pub mod installed;
 pub mod poll;
 pub mod procfs;
 pub mod shim_client;

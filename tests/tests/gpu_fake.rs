@@ -3,9 +3,10 @@
 //!
 //! Every container process is a GPU candidate (`GPUCR_GPU_ALL_PROCESSES=1`); the fake's script
 //! says which pids are CUDA processes and how each driver call behaves, and its log and state
-//! file show what the shim (or CRIU's plugin) did to them. `CRIU_LIBS_DIR` points at a
-//! directory of this test's own, empty for the shim-quiesce tests (so an installed CUDA plugin
-//! does not take over) and holding gpucr's plugin for the plugin tests.
+//! file show what the shim (or CRIU's plugin) did to them. CRIU loads the installed plugin
+//! (install.sh puts it in /usr/lib/criu) in every test: by default the shim quiesces and
+//! the plugin leaves the shim's processes alone (each driver call happens exactly once);
+//! `io.gpucr.gpu-quiesce=plugin` hands the GPU to the plugin.
 //!
 //! Only meaningful for gpucr: with `GPUCR_TEST_RUNTIME` set to another runtime they pass
 //! without doing anything.
@@ -35,29 +36,10 @@ struct Gpu {
     ctd: Containerd,
     image: String,
     fake: FakeCuda,
-    _plugins: tempfile::TempDir,
 }
 
-/// Which CRIU plugins the daemon's shims see.
-#[derive(PartialEq)]
-enum Plugins {
-    /// An empty `CRIU_LIBS_DIR`: the shim quiesces.
-    None,
-    /// gpucr's plugin, installed under the name `gpucr_cuda_plugin.so`.
-    Gpucr,
-}
-
-fn plugin_dir(plugins: Plugins) -> tempfile::TempDir {
-    let dir = tempfile::Builder::new()
-        .prefix("gpucr-criu-libs-")
-        .tempdir()
-        .unwrap();
-    if plugins == Plugins::Gpucr {
-        let plugin = fake_cuda::criu_plugin().expect("gpucr's CRIU plugin");
-        std::fs::copy(&plugin, dir.path().join("gpucr_cuda_plugin.so")).unwrap();
-    }
-    dir
-}
+/// `ctr run` flags that hand the container's GPU to CRIU's plugin.
+const PLUGIN_QUIESCES: [&str; 2] = ["--annotation", "io.gpucr.gpu-quiesce=plugin"];
 
 fn gpucr_under_test() -> bool {
     let runtime = runtime_under_test();
@@ -68,25 +50,14 @@ fn gpucr_under_test() -> bool {
     true
 }
 
-fn start(plugins: Plugins) -> Option<Gpu> {
+fn start() -> Option<Gpu> {
     if !gpucr_under_test() {
         return None;
     }
     let fake = FakeCuda::new().expect("fake libcuda");
-    let plugins = plugin_dir(plugins);
-    let mut env = fake.env();
-    env.push((
-        "CRIU_LIBS_DIR".into(),
-        plugins.path().to_string_lossy().into_owned(),
-    ));
-    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let ctd = Containerd::start_with_env(&fake.env()).expect("containerd");
     let image = ctd.import_busybox().expect("busybox image");
-    Some(Gpu {
-        ctd,
-        image,
-        fake,
-        _plugins: plugins,
-    })
+    Some(Gpu { ctd, image, fake })
 }
 
 impl Gpu {
@@ -225,7 +196,7 @@ fn call_time(fake: &FakeCuda, line: &str) -> (u64, u64) {
 
 #[test]
 fn leave_running_checkpoint_quiesces_around_the_dump() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-run");
@@ -244,6 +215,12 @@ fn leave_running_checkpoint_quiesces_around_the_dump() {
         "only the CUDA pid is touched"
     );
     assert_eq!(g.fake.states().get(&pid), Some(&RUNNING));
+    // The installed CUDA plugin was loaded by the same CRIU and left the pid to the shim.
+    let dump = criu_log(&g.ctd, &id, "dump.log");
+    assert!(
+        dump.contains(&format!("CUDA process {pid} was quiesced by the gpucr shim")),
+        "the plugin recognised the shim's process: {dump}"
+    );
 
     // Lock and checkpoint end before CRIU starts (dump.log is created), restore starts after
     // it finished (dump.log's last write). File times come from the coarse clock (up to a
@@ -298,7 +275,7 @@ fn leave_running_checkpoint_quiesces_around_the_dump() {
 
 #[test]
 fn restore_resumes_the_restored_cuda_processes() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-restore");
@@ -338,7 +315,7 @@ fn restore_resumes_the_restored_cuda_processes() {
 
 #[test]
 fn failed_gpu_restore_leaves_nothing_behind() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-restorefail");
@@ -399,7 +376,7 @@ fn failed_gpu_restore_leaves_nothing_behind() {
 
 #[test]
 fn checkpoint_of_a_paused_task_quiesces_and_stays_paused() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-paused");
@@ -430,7 +407,7 @@ fn checkpoint_of_a_paused_task_quiesces_and_stays_paused() {
 
 #[test]
 fn lock_failure_fails_the_checkpoint_and_the_task_runs_on() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-lockfail");
@@ -445,7 +422,7 @@ fn lock_failure_fails_the_checkpoint_and_the_task_runs_on() {
 
 #[test]
 fn lock_timeout_from_the_annotation_fails_the_checkpoint() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-locktimeout");
@@ -467,7 +444,7 @@ fn lock_timeout_from_the_annotation_fails_the_checkpoint() {
 
 #[test]
 fn checkpoint_failure_of_one_process_rolls_both_back() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-ckptfail");
@@ -517,7 +494,7 @@ impl Drop for TinyTmpfs {
 
 #[test]
 fn failed_dump_after_gpu_checkpoint_resumes_the_gpu() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-dumpfail");
@@ -548,7 +525,7 @@ fn failed_dump_after_gpu_checkpoint_resumes_the_gpu() {
 
 #[test]
 fn failed_manifest_after_the_dump_resumes_the_gpu() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-manifest");
@@ -621,7 +598,7 @@ fn assert_nothing_left(ctd: &Containerd, id: &str) {
 
 #[test]
 fn restore_is_refused_for_other_gpus_and_damaged_images() {
-    let Some(g) = start(Plugins::None) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-refuse");
@@ -711,11 +688,11 @@ fn criu_log(ctd: &Containerd, id: &str, name: &str) -> String {
 
 #[test]
 fn criu_plugin_quiesces_and_the_shim_does_not() {
-    let Some(g) = start(Plugins::Gpucr) else {
+    let Some(g) = start() else {
         return;
     };
     let id = unique_id("gpu-plugin");
-    let pid = g.counter(&id, &[]);
+    let pid = g.counter(&id, &PLUGIN_QUIESCES);
     g.script(&[pid], "");
     let spec = g.ctd.container_spec(&id).unwrap();
 
@@ -773,14 +750,7 @@ fn criu_plugin_without_a_driver_changes_nothing() {
     if !gpucr_under_test() {
         return;
     }
-    let plugins = plugin_dir(Plugins::Gpucr);
-    let env = [
-        ("GPUCR_LIBCUDA", "/nonexistent/libcuda.so.1".to_owned()),
-        (
-            "CRIU_LIBS_DIR",
-            plugins.path().to_string_lossy().into_owned(),
-        ),
-    ];
+    let env = [("GPUCR_LIBCUDA", "/nonexistent/libcuda.so.1")];
     let ctd = Containerd::start_with_env(&env).expect("containerd");
     let image = ctd.import_busybox().unwrap();
     let id = unique_id("cpu-plugin");
@@ -817,6 +787,85 @@ fn criu_plugin_without_a_driver_changes_nothing() {
     );
     ctd.wait_counter_above(&id, first).unwrap();
     ctd.remove_container(&id).unwrap();
-    drop(ctd);
+}
+
+/// NVIDIA's `cuda_plugin.so` installed beside gpucr's (tests/criu-standin: its behaviour
+/// where `cuda-checkpoint` is not on PATH, as on every node without NVIDIA's separate
+/// binary): CRIU loads both, the shim quiesces, gpucr's plugin leaves the shim's process
+/// to it, NVIDIA's is asked and declines, and every driver call happens once.
+#[test]
+fn nvidias_plugin_beside_gpucrs_leaves_the_gpu_to_the_shim() {
+    if !gpucr_under_test() {
+        return;
+    }
+    let plugins = tempfile::Builder::new()
+        .prefix("gpucr-criu-libs-")
+        .tempdir()
+        .unwrap();
+    // gpucr's installed plugin itself (a link), and the stand-in under NVIDIA's file name.
+    std::os::unix::fs::symlink(
+        fake_cuda::criu_plugin().expect("installed CRIU plugin"),
+        plugins.path().join("gpucr_cuda_plugin.so"),
+    )
+    .unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("criu-standin/cuda_plugin.c");
+    let built = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(plugins.path().join("cuda_plugin.so"))
+        .arg(&src)
+        .status()
+        .expect("cc");
+    assert!(built.success(), "building {}", src.display());
+    let standin_log = plugins.path().join("standin.log");
+    let fake = FakeCuda::new().expect("fake libcuda");
+    let mut env = fake.env();
+    env.push((
+        "CRIU_LIBS_DIR".into(),
+        plugins.path().to_string_lossy().into_owned(),
+    ));
+    env.push((
+        "GPUCR_STANDIN_LOG".into(),
+        standin_log.to_string_lossy().into_owned(),
+    ));
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let image = ctd.import_busybox().expect("busybox image");
+    let g = Gpu { ctd, image, fake };
+
+    let id = unique_id("gpu-nvplugin");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let before = g.ctd.read_counter(&id).unwrap();
+    let checkpoint = g.checkpoint_exit(&id, None);
+    assert_eq!(
+        g.fake.calls_of(pid),
+        ["lock -> 0", "checkpoint -> 0"],
+        "the shim quiesced, once: {:#?}",
+        g.fake.log()
+    );
+    let asked = std::fs::read_to_string(&standin_log).unwrap_or_default();
+    assert!(
+        asked.contains("init 0 disabled") && asked.contains(&format!("pause_devices {pid}")),
+        "CRIU loaded NVIDIA's stand-in, which was asked about {pid} and declined: {asked}"
+    );
+
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
+    g.ctd.remove_container(&id).unwrap();
+    let restored_at = Instant::now();
+    g.ctd
+        .restore_outcome(&id, &checkpoint, &g.image, &spec)
+        .expect("restore with both plugins installed");
+    for p in g.pids_other_than(pid) {
+        assert_eq!(
+            g.fake.calls_of(p),
+            ["restore -> 0", "unlock -> 0"],
+            "pid {p}"
+        );
+    }
+    let asked = std::fs::read_to_string(&standin_log).unwrap_or_default();
+    assert!(asked.contains("init 2 disabled"), "{asked}");
+    g.assert_continues(&id, before, before + 2, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+    drop(g);
     drop(plugins);
 }

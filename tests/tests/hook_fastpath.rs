@@ -37,7 +37,6 @@ struct Hooked {
     ctd: Containerd,
     fake: FakeCuda,
     hook_lib: PathBuf,
-    _plugins: tempfile::TempDir,
 }
 
 fn start() -> Option<Hooked> {
@@ -47,22 +46,10 @@ fn start() -> Option<Hooked> {
         return None;
     }
     let fake = FakeCuda::new().expect("fake libcuda");
+    // The installed library (the shim's default) and the installed CRIU plugin, which
+    // leaves the shim's processes to the shim.
     let hook_lib = fake_cuda::hook_lib().expect("libgpucr_hook.so");
-    // Empty: no CUDA CRIU plugin takes over, the shim quiesces (and drives the hook).
-    let plugins = tempfile::Builder::new()
-        .prefix("gpucr-criu-libs-")
-        .tempdir()
-        .unwrap();
-    let mut env = fake.env();
-    env.push((
-        "CRIU_LIBS_DIR".into(),
-        plugins.path().to_string_lossy().into_owned(),
-    ));
-    env.push((
-        "GPUCR_HOOK_LIB".into(),
-        hook_lib.to_string_lossy().into_owned(),
-    ));
-    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let ctd = Containerd::start_with_env(&fake.env()).expect("containerd");
     let layout = app_layout(&fake.lib(), &hook_lib);
     ctd.import_layout(&layout, &[])
         .expect("import the app image");
@@ -70,7 +57,6 @@ fn start() -> Option<Hooked> {
         ctd,
         fake,
         hook_lib,
-        _plugins: plugins,
     })
 }
 
