@@ -45,6 +45,31 @@ pub struct CheckpointRequest {
     pub work_path: String,
 }
 
+/// The runtime options types, by the last segment of their type URL.
+const RUNC_OPTIONS: [&str; 2] = [
+    "containerd.runc.v1.Options",
+    "containerd.runc.v1.options.Options",
+];
+const LEGACY_CREATE_OPTIONS: &str = "containerd.linux.runc.CreateOptions";
+const CRI_OPTIONS: &str = "runtimeoptions.v1.Options";
+
+/// The keys of a runtime options TOML that gpucr honours (runc's Go field names).
+const TOML_KEYS: [&str; 10] = [
+    "BinaryName",
+    "Root",
+    "SystemdCgroup",
+    "NoPivotRoot",
+    "NoNewKeyring",
+    "IoUid",
+    "IoGid",
+    "CriuImagePath",
+    "CriuWorkPath",
+    "ShimCgroup",
+];
+/// `runtimeoptions.v1.Options`' own fields: CRI reads them from the same table (and then
+/// sends the table as it is), so they may appear and mean nothing to the shim.
+const CRI_KEYS: [&str; 2] = ["TypeUrl", "ConfigPath"];
+
 /// The last segment of a type URL (containerd writes bare names such as
 /// `containerd.runc.v1.Options`, others prefix `type.googleapis.com/`).
 fn type_name(any: &Any) -> &str {
@@ -69,7 +94,7 @@ impl RuntimeOptions {
             return Ok(RuntimeOptions::default());
         };
         match type_name(any) {
-            "containerd.runc.v1.Options" | "containerd.runc.v1.options.Options" => {
+            t if RUNC_OPTIONS.contains(&t) => {
                 let o = oci::Options::parse_from_bytes(&any.value)?;
                 Ok(RuntimeOptions {
                     binary_name: o.binary_name,
@@ -84,7 +109,7 @@ impl RuntimeOptions {
                     shim_cgroup: o.shim_cgroup,
                 })
             }
-            "containerd.linux.runc.CreateOptions" => {
+            LEGACY_CREATE_OPTIONS => {
                 let f = Fields::decode(&any.value)?;
                 Ok(RuntimeOptions {
                     no_pivot_root: f.bool(1),
@@ -97,7 +122,7 @@ impl RuntimeOptions {
                     ..Default::default()
                 })
             }
-            "runtimeoptions.v1.Options" => {
+            CRI_OPTIONS => {
                 let f = Fields::decode(&any.value)?;
                 let body = f.string(3);
                 let path = f.string(2);
@@ -116,6 +141,9 @@ impl RuntimeOptions {
         }
     }
 
+    /// The TOML of CRI's `runtimeoptions.v1.Options`: the runtime's `options` table, under
+    /// the Go names of runc's options. A key gpucr does not know is an error that names it,
+    /// so a typo (or a runc option gpucr does not honour) never passes silently.
     fn from_toml(text: &str) -> Result<RuntimeOptions> {
         #[derive(Deserialize, Default)]
         #[serde(default, rename_all = "PascalCase")]
@@ -131,7 +159,21 @@ impl RuntimeOptions {
             criu_work_path: String,
             shim_cgroup: String,
         }
-        let g: GoNames = toml::from_str(text).map_err(|e| Error::Decode {
+        let table: toml::Table = toml::from_str(text).map_err(|e| Error::Decode {
+            what: "runtime options TOML",
+            msg: e.to_string(),
+        })?;
+        if let Some(key) = table
+            .keys()
+            .find(|k| !TOML_KEYS.contains(&k.as_str()) && !CRI_KEYS.contains(&k.as_str()))
+        {
+            return Err(Error::invalid(format!(
+                "runtime option {key:?} is not understood by gpucr; remove it from the \
+                 runtime's options table in containerd's config (gpucr understands {})",
+                TOML_KEYS.join(", ")
+            )));
+        }
+        let g: GoNames = table.try_into().map_err(|e| Error::Decode {
             what: "runtime options TOML",
             msg: e.to_string(),
         })?;
@@ -157,6 +199,50 @@ impl RuntimeOptions {
             PathBuf::from(&self.root).join(namespace)
         }
     }
+}
+
+fn is_runtime_options(any: &Any) -> bool {
+    let t = type_name(any);
+    RUNC_OPTIONS.contains(&t) || t == LEGACY_CREATE_OPTIONS || t == CRI_OPTIONS
+}
+
+/// The runtime options on the `start` action's stdin. containerd 1.7–2.2 write the options
+/// `Any` (or nothing); containerd 2.3 writes `BootstrapParams`, whose `extensions` carry
+/// them. Both parse as either message, so, like containerd's own shims, a payload counts as
+/// `BootstrapParams` only when its `instance_id` and `namespace` are the shim's `-id` and
+/// `-namespace`.
+pub fn start_options(stdin: &[u8], id: &str, namespace: &str) -> Result<Option<Any>> {
+    if let Ok(f) = Fields::decode(stdin) {
+        if !id.is_empty() && f.string(1) == id && f.string(2) == namespace {
+            // BootstrapParams.extensions = 8, Extension.value = 1; other extensions (sandbox
+            // or CRI configuration) are not runtime options.
+            for ext in f.all_bytes(8) {
+                let value = Fields::decode(ext)?;
+                let Some(any) = value.all_bytes(1).last() else {
+                    continue;
+                };
+                let any = Any::parse_from_bytes(any)?;
+                if is_runtime_options(&any) {
+                    return Ok(Some(any));
+                }
+            }
+            return Ok(None);
+        }
+    }
+    options_any(stdin)
+}
+
+/// The options `Any` that containerd writes on stdin (`-info`, and `start` before 2.3):
+/// empty when containerd has none.
+pub fn options_any(stdin: &[u8]) -> Result<Option<Any>> {
+    if stdin.is_empty() {
+        return Ok(None);
+    }
+    let any = Any::parse_from_bytes(stdin).map_err(|e| Error::Decode {
+        what: "the runtime options on stdin",
+        msg: e.to_string(),
+    })?;
+    Ok(Some(any).filter(|a| !a.type_url.is_empty()))
 }
 
 impl CheckpointRequest {
@@ -234,6 +320,13 @@ impl Fields {
                 _ => None,
             })
             .unwrap_or(0)
+    }
+
+    fn all_bytes(&self, n: u32) -> impl Iterator<Item = &[u8]> {
+        self.0.iter().filter_map(move |(f, v)| match v {
+            FieldValue::Bytes(b) if *f == n => Some(b.as_slice()),
+            _ => None,
+        })
     }
 
     fn bool(&self, n: u32) -> bool {
