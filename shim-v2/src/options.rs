@@ -438,4 +438,113 @@ mod tests {
         let e = CheckpointRequest::decode(Some(&any("x.Unknown", vec![]))).unwrap_err();
         assert!(e.to_string().contains("not understood"));
     }
+
+    fn cri_options(toml_body: &str) -> Any {
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bytes(3, toml_body.as_bytes()).unwrap();
+            os.flush().unwrap();
+        }
+        any("runtimeoptions.v1.Options", buf)
+    }
+
+    fn start_decode(stdin: &[u8]) -> Result<RuntimeOptions> {
+        RuntimeOptions::decode(start_options(stdin, "c1", "k8s.io")?.as_ref())
+    }
+
+    #[test]
+    fn start_reads_the_cri_toml_of_issue_21() {
+        // containerd 2.1.9's CRI, for `BinaryName = "runc"` / `SystemdCgroup = false`.
+        let body = "BinaryName = 'runc'\nSystemdCgroup = false\n";
+        let stdin = cri_options(body).write_to_bytes().unwrap();
+        let r = start_decode(&stdin).unwrap();
+        assert_eq!(r.binary(), "runc");
+        assert!(!r.systemd_cgroup);
+        assert_eq!(r.shim_cgroup, "");
+
+        let with_cg = cri_options("ShimCgroup = '/gpucr-shims'\n");
+        let r = start_decode(&with_cg.write_to_bytes().unwrap()).unwrap();
+        assert_eq!(r.shim_cgroup, "/gpucr-shims");
+    }
+
+    #[test]
+    fn an_unknown_toml_key_is_an_error_naming_it() {
+        let stdin = cri_options("BinaryName = 'runc'\nSystemdCgroups = true\n")
+            .write_to_bytes()
+            .unwrap();
+        let e = start_decode(&stdin).unwrap_err().to_string();
+        assert!(e.contains("\"SystemdCgroups\""), "{e}");
+        assert!(e.contains("SystemdCgroup,"), "{e}");
+        // runc options gpucr does not honour are refused the same way.
+        let e = start_decode(
+            &cri_options("TaskApiAddress = 'x'")
+                .write_to_bytes()
+                .unwrap(),
+        );
+        assert!(e.unwrap_err().to_string().contains("TaskApiAddress"));
+        // CRI's own keys are consumed by containerd and mean nothing here.
+        start_decode(&cri_options("ConfigPath = ''").write_to_bytes().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn start_reads_every_options_shape() {
+        assert_eq!(start_decode(b"").unwrap(), RuntimeOptions::default());
+
+        let runc = oci::Options {
+            binary_name: "crun".into(),
+            shim_cgroup: "/shims".into(),
+            ..Default::default()
+        };
+        let runc = any("containerd.runc.v1.Options", runc.write_to_bytes().unwrap());
+        let r = start_decode(&runc.write_to_bytes().unwrap()).unwrap();
+        assert_eq!((r.binary(), r.shim_cgroup.as_str()), ("crun", "/shims"));
+
+        // containerd 1.7's Go client: CreateOptions, whose field 3 is a bool (the crate's
+        // reading of it as runc's Options, field 3 a string, failed on it).
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bool(3, true).unwrap();
+            os.write_string(9, "/legacy").unwrap();
+            os.flush().unwrap();
+        }
+        let legacy = any("containerd.linux.runc.CreateOptions", buf);
+        let r = start_decode(&legacy.write_to_bytes().unwrap()).unwrap();
+        assert_eq!(r.shim_cgroup, "/legacy");
+
+        let e = start_decode(&any("x.y.Unknown", vec![]).write_to_bytes().unwrap());
+        assert!(e.unwrap_err().to_string().contains("x.y.Unknown"));
+        assert!(start_decode(b"\xff\xff").is_err());
+    }
+
+    #[test]
+    fn start_reads_options_inside_containerd_2_3_bootstrap_params() {
+        let opts = oci::Options {
+            binary_name: "crun".into(),
+            ..Default::default()
+        };
+        let opts = any("containerd.runc.v1.Options", opts.write_to_bytes().unwrap());
+        let other = any("containerd.io/cri.v1.PodSandboxConfig", vec![1, 2]);
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_string(1, "c1").unwrap();
+            os.write_string(2, "k8s.io").unwrap();
+            for a in [&other, &opts] {
+                let mut ext = Vec::new();
+                {
+                    let mut e = CodedOutputStream::vec(&mut ext);
+                    e.write_bytes(1, &a.write_to_bytes().unwrap()).unwrap();
+                    e.flush().unwrap();
+                }
+                os.write_bytes(8, &ext).unwrap();
+            }
+            os.flush().unwrap();
+        }
+        assert_eq!(start_decode(&buf).unwrap().binary(), "crun");
+        // The same bytes from another container are not its BootstrapParams.
+        let e = RuntimeOptions::decode(start_options(&buf, "c2", "k8s.io").unwrap().as_ref());
+        assert!(e.unwrap_err().to_string().contains("not understood"));
+    }
 }

@@ -169,14 +169,14 @@ async fn start(opts: &StartOpts, stdin: &[u8], bundle: &Path) -> Result<String, 
     let address = containerd_shim::socket_address(&opts.address, &opts.namespace, &group);
     if socket_answers(&address).await {
         // The pod's shim serves this container too; it keeps its own cgroup.
-        write_address(&address).await?;
+        write_address(bundle, &address).await?;
         return Ok(address);
     }
     let child = spawn_server(opts, bundle, &address)?;
-    match serve(child, &options, &address).await {
+    match serve(child, &options, bundle, &address).await {
         Ok(()) => Ok(address),
         Err((child, e)) => {
-            abandon(child, &address).await;
+            abandon(child, bundle, &address).await;
             Err(e)
         }
     }
@@ -210,6 +210,7 @@ fn spawn_server(opts: &StartOpts, bundle: &Path, address: &str) -> Result<Child,
 async fn serve(
     mut child: Child,
     options: &RuntimeOptions,
+    bundle: &Path,
     address: &str,
 ) -> std::result::Result<(), (Child, StartError)> {
     let pid = child.id().unwrap_or(0);
@@ -254,7 +255,7 @@ async fn serve(
         };
         return Err((child, e));
     }
-    if let Err(e) = write_address(address).await {
+    if let Err(e) = write_address(bundle, address).await {
         return Err((child, e));
     }
     Ok(())
@@ -262,11 +263,11 @@ async fn serve(
 
 /// Undoes a failed start: the server is killed (it may already be gone) and reaped, then
 /// its socket and the address file are removed, so kubelet's retries do not pile shims up.
-async fn abandon(mut child: Child, address: &str) {
+async fn abandon(mut child: Child, bundle: &Path, address: &str) {
     let _ = child.start_kill();
     let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
     remove_stale_socket(address).await;
-    let _ = tokio::fs::remove_file(ADDRESS_FILE).await;
+    let _ = tokio::fs::remove_file(bundle.join(ADDRESS_FILE)).await;
 }
 
 fn describe_exit(s: ExitStatus) -> String {
@@ -278,8 +279,8 @@ fn describe_exit(s: ExitStatus) -> String {
     }
 }
 
-async fn write_address(address: &str) -> Result<(), StartError> {
-    write_str_to_file(ADDRESS_FILE, address)
+async fn write_address(bundle: &Path, address: &str) -> Result<(), StartError> {
+    write_str_to_file(bundle.join(ADDRESS_FILE), address)
         .await
         .map_err(|e| StartError::AddressFile(e.to_string()))
 }
@@ -490,5 +491,186 @@ mod tests {
         };
         write_bundle_options(dir.path(), &o).unwrap();
         assert_eq!(read_bundle_options(dir.path()), o);
+    }
+
+    fn start_opts(id: &str) -> StartOpts {
+        StartOpts {
+            id: id.into(),
+            publish_binary: String::new(),
+            address: "/run/containerd/containerd.sock".into(),
+            ttrpc_address: String::new(),
+            namespace: "k8s.io".into(),
+            debug: false,
+        }
+    }
+
+    fn sh(script: &str) -> Child {
+        Command::new("sh")
+            .args(["-c", script])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    fn gone(pid: u32) -> bool {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), None).is_err()
+    }
+
+    #[tokio::test]
+    async fn a_refused_option_spawns_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut buf = Vec::new();
+        {
+            let mut os = protobuf::CodedOutputStream::vec(&mut buf);
+            os.write_bytes(3, b"BinaryName = 'runc'\nShimCgroups = '/x'\n")
+                .unwrap();
+            os.flush().unwrap();
+        }
+        let any = Any {
+            type_url: "runtimeoptions.v1.Options".into(),
+            value: buf,
+            ..Default::default()
+        };
+        let stdin = protobuf::Message::write_to_bytes(&any).unwrap();
+        let e = start(&start_opts("c1"), &stdin, dir.path())
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StartError::Options { .. }), "{e}");
+        assert!(e.to_string().contains("\"ShimCgroups\""), "{e}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        let e = containerd_shim::Error::from(e);
+        assert!(matches!(e, containerd_shim::Error::InvalidArgument(_)));
+    }
+
+    #[tokio::test]
+    async fn a_server_that_dies_is_reaped_and_its_socket_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s");
+        // A socket file nobody listens on, as a killed server leaves it.
+        drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+        let address = format!("unix://{}", sock.display());
+        std::fs::write(dir.path().join(ADDRESS_FILE), &address).unwrap();
+        let child = sh("exit 3");
+        let pid = child.id().unwrap();
+        let (child, e) = serve(child, &RuntimeOptions::default(), dir.path(), &address)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("exited with status 3"), "{e}");
+        abandon(child, dir.path(), &address).await;
+        assert!(gone(pid));
+        assert!(!sock.exists());
+        assert!(!dir.path().join(ADDRESS_FILE).exists());
+    }
+
+    #[tokio::test]
+    async fn a_failed_cgroup_move_kills_the_server() {
+        let dir = tempfile::tempdir().unwrap();
+        let address = format!("unix://{}/s", dir.path().display());
+        let child = sh("sleep 100");
+        let pid = child.id().unwrap();
+        let options = RuntimeOptions {
+            shim_cgroup: "/gpucr-test-no-such-cgroup".into(),
+            ..Default::default()
+        };
+        let (child, e) = serve(child, &options, dir.path(), &address)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StartError::Cgroup { .. }), "{e}");
+        assert!(e.to_string().contains("/gpucr-test-no-such-cgroup"), "{e}");
+        abandon(child, dir.path(), &address).await;
+        assert!(gone(pid));
+    }
+
+    #[tokio::test]
+    async fn a_listening_server_is_kept_and_its_socket_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s");
+        let _listener = tokio::net::UnixListener::bind(&sock).unwrap();
+        let address = format!("unix://{}", sock.display());
+        // Closing stdout is how the server says it listens.
+        serve(
+            sh("exec >&-; sleep 0.1"),
+            &RuntimeOptions::default(),
+            dir.path(),
+            &address,
+        )
+        .await
+        .map_err(|(_, e)| e)
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(ADDRESS_FILE)).unwrap(),
+            address
+        );
+        // A socket someone listens on survives a failed start that found it.
+        remove_stale_socket(&address).await;
+        assert!(sock.exists());
+    }
+
+    #[test]
+    fn info_is_a_runtime_info_with_the_runtime_s_features() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("fake-runc");
+        std::fs::write(&fake, "#!/bin/sh\necho '{\"ociVersionMin\": \"1.0.0\"}'\n").unwrap();
+        let mut perm = std::fs::metadata(&fake).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        std::fs::set_permissions(&fake, perm).unwrap();
+        let opts = containerd_shim::protos::shim::oci::Options {
+            binary_name: fake.display().to_string(),
+            ..Default::default()
+        };
+        let any = Any {
+            type_url: "containerd.runc.v1.Options".into(),
+            value: protobuf::Message::write_to_bytes(&opts).unwrap(),
+            ..Default::default()
+        };
+        let stdin = protobuf::Message::write_to_bytes(&any).unwrap();
+        // A fork elsewhere in the tests may still hold the script open for writing (ETXTBSY).
+        let info = (0..50)
+            .find_map(|_| {
+                let r = runtime_info(&stdin);
+                if r.is_err() {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                r.ok()
+            })
+            .expect("runtime_info");
+        let bytes = protobuf::Message::write_to_bytes(&info).unwrap();
+        let info: RuntimeInfo = protobuf::Message::parse_from_bytes(&bytes).unwrap();
+        assert_eq!(info.name, RUNTIME_ID);
+        assert_eq!(info.version.version, env!("CARGO_PKG_VERSION"));
+        assert_eq!(info.options.type_url, "containerd.runc.v1.Options");
+        assert_eq!(info.features.type_url, FEATURES_TYPE_URL);
+        let features: serde_json::Value = serde_json::from_slice(&info.features.value).unwrap();
+        assert_eq!(features["ociVersionMin"], "1.0.0");
+
+        let missing = containerd_shim::protos::shim::oci::Options {
+            binary_name: dir.path().join("none").display().to_string(),
+            ..Default::default()
+        };
+        let any = Any {
+            value: protobuf::Message::write_to_bytes(&missing).unwrap(),
+            ..any
+        };
+        let e = runtime_info(&protobuf::Message::write_to_bytes(&any).unwrap()).unwrap_err();
+        assert!(e.to_string().contains("set BinaryName"), "{e}");
+    }
+
+    #[test]
+    fn version_names_the_binary() {
+        let v = version_text("/usr/local/bin/containerd-shim-gpucr-v2");
+        assert!(
+            v.starts_with("containerd-shim-gpucr-v2:\n  Version:  "),
+            "{v}"
+        );
+    }
+
+    #[tokio::test]
+    async fn sigterm_ends_the_shim() {
+        let exit = Arc::new(ExitSignal::default());
+        exit_on_signals(exit.clone(), "c1".into()).unwrap();
+        nix::sys::signal::raise(nix::sys::signal::Signal::SIGTERM).unwrap();
+        tokio::time::timeout(Duration::from_secs(5), exit.wait())
+            .await
+            .expect("SIGTERM signals the exit");
     }
 }
