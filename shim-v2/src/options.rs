@@ -45,6 +45,31 @@ pub struct CheckpointRequest {
     pub work_path: String,
 }
 
+/// The runtime options types, by the last segment of their type URL.
+const RUNC_OPTIONS: [&str; 2] = [
+    "containerd.runc.v1.Options",
+    "containerd.runc.v1.options.Options",
+];
+const LEGACY_CREATE_OPTIONS: &str = "containerd.linux.runc.CreateOptions";
+const CRI_OPTIONS: &str = "runtimeoptions.v1.Options";
+
+/// The keys of a runtime options TOML that gpucr honours (runc's Go field names).
+const TOML_KEYS: [&str; 10] = [
+    "BinaryName",
+    "Root",
+    "SystemdCgroup",
+    "NoPivotRoot",
+    "NoNewKeyring",
+    "IoUid",
+    "IoGid",
+    "CriuImagePath",
+    "CriuWorkPath",
+    "ShimCgroup",
+];
+/// `runtimeoptions.v1.Options`' own fields: CRI reads them from the same table (and then
+/// sends the table as it is), so they may appear and mean nothing to the shim.
+const CRI_KEYS: [&str; 2] = ["TypeUrl", "ConfigPath"];
+
 /// The last segment of a type URL (containerd writes bare names such as
 /// `containerd.runc.v1.Options`, others prefix `type.googleapis.com/`).
 fn type_name(any: &Any) -> &str {
@@ -69,7 +94,7 @@ impl RuntimeOptions {
             return Ok(RuntimeOptions::default());
         };
         match type_name(any) {
-            "containerd.runc.v1.Options" | "containerd.runc.v1.options.Options" => {
+            t if RUNC_OPTIONS.contains(&t) => {
                 let o = oci::Options::parse_from_bytes(&any.value)?;
                 Ok(RuntimeOptions {
                     binary_name: o.binary_name,
@@ -84,7 +109,7 @@ impl RuntimeOptions {
                     shim_cgroup: o.shim_cgroup,
                 })
             }
-            "containerd.linux.runc.CreateOptions" => {
+            LEGACY_CREATE_OPTIONS => {
                 let f = Fields::decode(&any.value)?;
                 Ok(RuntimeOptions {
                     no_pivot_root: f.bool(1),
@@ -97,7 +122,7 @@ impl RuntimeOptions {
                     ..Default::default()
                 })
             }
-            "runtimeoptions.v1.Options" => {
+            CRI_OPTIONS => {
                 let f = Fields::decode(&any.value)?;
                 let body = f.string(3);
                 let path = f.string(2);
@@ -116,6 +141,9 @@ impl RuntimeOptions {
         }
     }
 
+    /// The TOML of CRI's `runtimeoptions.v1.Options`: the runtime's `options` table, under
+    /// the Go names of runc's options. A key gpucr does not know is an error that names it,
+    /// so a typo (or a runc option gpucr does not honour) never passes silently.
     fn from_toml(text: &str) -> Result<RuntimeOptions> {
         #[derive(Deserialize, Default)]
         #[serde(default, rename_all = "PascalCase")]
@@ -131,7 +159,21 @@ impl RuntimeOptions {
             criu_work_path: String,
             shim_cgroup: String,
         }
-        let g: GoNames = toml::from_str(text).map_err(|e| Error::Decode {
+        let table: toml::Table = toml::from_str(text).map_err(|e| Error::Decode {
+            what: "runtime options TOML",
+            msg: e.to_string(),
+        })?;
+        if let Some(key) = table
+            .keys()
+            .find(|k| !TOML_KEYS.contains(&k.as_str()) && !CRI_KEYS.contains(&k.as_str()))
+        {
+            return Err(Error::invalid(format!(
+                "runtime option {key:?} is not understood by gpucr; remove it from the \
+                 runtime's options table in containerd's config (gpucr understands {})",
+                TOML_KEYS.join(", ")
+            )));
+        }
+        let g: GoNames = table.try_into().map_err(|e| Error::Decode {
             what: "runtime options TOML",
             msg: e.to_string(),
         })?;
@@ -157,6 +199,50 @@ impl RuntimeOptions {
             PathBuf::from(&self.root).join(namespace)
         }
     }
+}
+
+fn is_runtime_options(any: &Any) -> bool {
+    let t = type_name(any);
+    RUNC_OPTIONS.contains(&t) || t == LEGACY_CREATE_OPTIONS || t == CRI_OPTIONS
+}
+
+/// The runtime options on the `start` action's stdin. containerd 1.7–2.2 write the options
+/// `Any` (or nothing); containerd 2.3 writes `BootstrapParams`, whose `extensions` carry
+/// them. Both parse as either message, so, like containerd's own shims, a payload counts as
+/// `BootstrapParams` only when its `instance_id` and `namespace` are the shim's `-id` and
+/// `-namespace`.
+pub fn start_options(stdin: &[u8], id: &str, namespace: &str) -> Result<Option<Any>> {
+    if let Ok(f) = Fields::decode(stdin) {
+        if !id.is_empty() && f.string(1) == id && f.string(2) == namespace {
+            // BootstrapParams.extensions = 8, Extension.value = 1; other extensions (sandbox
+            // or CRI configuration) are not runtime options.
+            for ext in f.all_bytes(8) {
+                let value = Fields::decode(ext)?;
+                let Some(any) = value.all_bytes(1).last() else {
+                    continue;
+                };
+                let any = Any::parse_from_bytes(any)?;
+                if is_runtime_options(&any) {
+                    return Ok(Some(any));
+                }
+            }
+            return Ok(None);
+        }
+    }
+    options_any(stdin)
+}
+
+/// The options `Any` that containerd writes on stdin (`-info`, and `start` before 2.3):
+/// empty when containerd has none.
+pub fn options_any(stdin: &[u8]) -> Result<Option<Any>> {
+    if stdin.is_empty() {
+        return Ok(None);
+    }
+    let any = Any::parse_from_bytes(stdin).map_err(|e| Error::Decode {
+        what: "the runtime options on stdin",
+        msg: e.to_string(),
+    })?;
+    Ok(Some(any).filter(|a| !a.type_url.is_empty()))
 }
 
 impl CheckpointRequest {
@@ -234,6 +320,13 @@ impl Fields {
                 _ => None,
             })
             .unwrap_or(0)
+    }
+
+    fn all_bytes(&self, n: u32) -> impl Iterator<Item = &[u8]> {
+        self.0.iter().filter_map(move |(f, v)| match v {
+            FieldValue::Bytes(b) if *f == n => Some(b.as_slice()),
+            _ => None,
+        })
     }
 
     fn bool(&self, n: u32) -> bool {
@@ -344,5 +437,114 @@ mod tests {
         );
         let e = CheckpointRequest::decode(Some(&any("x.Unknown", vec![]))).unwrap_err();
         assert!(e.to_string().contains("not understood"));
+    }
+
+    fn cri_options(toml_body: &str) -> Any {
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bytes(3, toml_body.as_bytes()).unwrap();
+            os.flush().unwrap();
+        }
+        any("runtimeoptions.v1.Options", buf)
+    }
+
+    fn start_decode(stdin: &[u8]) -> Result<RuntimeOptions> {
+        RuntimeOptions::decode(start_options(stdin, "c1", "k8s.io")?.as_ref())
+    }
+
+    #[test]
+    fn start_reads_the_cri_toml_of_issue_21() {
+        // containerd 2.1.9's CRI, for `BinaryName = "runc"` / `SystemdCgroup = false`.
+        let body = "BinaryName = 'runc'\nSystemdCgroup = false\n";
+        let stdin = cri_options(body).write_to_bytes().unwrap();
+        let r = start_decode(&stdin).unwrap();
+        assert_eq!(r.binary(), "runc");
+        assert!(!r.systemd_cgroup);
+        assert_eq!(r.shim_cgroup, "");
+
+        let with_cg = cri_options("ShimCgroup = '/gpucr-shims'\n");
+        let r = start_decode(&with_cg.write_to_bytes().unwrap()).unwrap();
+        assert_eq!(r.shim_cgroup, "/gpucr-shims");
+    }
+
+    #[test]
+    fn an_unknown_toml_key_is_an_error_naming_it() {
+        let stdin = cri_options("BinaryName = 'runc'\nSystemdCgroups = true\n")
+            .write_to_bytes()
+            .unwrap();
+        let e = start_decode(&stdin).unwrap_err().to_string();
+        assert!(e.contains("\"SystemdCgroups\""), "{e}");
+        assert!(e.contains("SystemdCgroup,"), "{e}");
+        // runc options gpucr does not honour are refused the same way.
+        let e = start_decode(
+            &cri_options("TaskApiAddress = 'x'")
+                .write_to_bytes()
+                .unwrap(),
+        );
+        assert!(e.unwrap_err().to_string().contains("TaskApiAddress"));
+        // CRI's own keys are consumed by containerd and mean nothing here.
+        start_decode(&cri_options("ConfigPath = ''").write_to_bytes().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn start_reads_every_options_shape() {
+        assert_eq!(start_decode(b"").unwrap(), RuntimeOptions::default());
+
+        let runc = oci::Options {
+            binary_name: "crun".into(),
+            shim_cgroup: "/shims".into(),
+            ..Default::default()
+        };
+        let runc = any("containerd.runc.v1.Options", runc.write_to_bytes().unwrap());
+        let r = start_decode(&runc.write_to_bytes().unwrap()).unwrap();
+        assert_eq!((r.binary(), r.shim_cgroup.as_str()), ("crun", "/shims"));
+
+        // containerd 1.7's Go client: CreateOptions, whose field 3 is a bool (the crate's
+        // reading of it as runc's Options, field 3 a string, failed on it).
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bool(3, true).unwrap();
+            os.write_string(9, "/legacy").unwrap();
+            os.flush().unwrap();
+        }
+        let legacy = any("containerd.linux.runc.CreateOptions", buf);
+        let r = start_decode(&legacy.write_to_bytes().unwrap()).unwrap();
+        assert_eq!(r.shim_cgroup, "/legacy");
+
+        let e = start_decode(&any("x.y.Unknown", vec![]).write_to_bytes().unwrap());
+        assert!(e.unwrap_err().to_string().contains("x.y.Unknown"));
+        assert!(start_decode(b"\xff\xff").is_err());
+    }
+
+    #[test]
+    fn start_reads_options_inside_containerd_2_3_bootstrap_params() {
+        let opts = oci::Options {
+            binary_name: "crun".into(),
+            ..Default::default()
+        };
+        let opts = any("containerd.runc.v1.Options", opts.write_to_bytes().unwrap());
+        let other = any("containerd.io/cri.v1.PodSandboxConfig", vec![1, 2]);
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_string(1, "c1").unwrap();
+            os.write_string(2, "k8s.io").unwrap();
+            for a in [&other, &opts] {
+                let mut ext = Vec::new();
+                {
+                    let mut e = CodedOutputStream::vec(&mut ext);
+                    e.write_bytes(1, &a.write_to_bytes().unwrap()).unwrap();
+                    e.flush().unwrap();
+                }
+                os.write_bytes(8, &ext).unwrap();
+            }
+            os.flush().unwrap();
+        }
+        assert_eq!(start_decode(&buf).unwrap().binary(), "crun");
+        // The same bytes from another container are not its BootstrapParams.
+        let e = RuntimeOptions::decode(start_options(&buf, "c2", "k8s.io").unwrap().as_ref());
+        assert!(e.unwrap_err().to_string().contains("not understood"));
     }
 }
