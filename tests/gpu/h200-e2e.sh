@@ -21,7 +21,12 @@
 #   t         gpucr with a PyTorch training loop (torch_train.py): the same loss sequence
 #   full      c onto a GPU whose memory a host process holds: the restore is refused when the
 #             task is created, nothing is left, and it restores once the memory is free
-#   e         stock runc shim + CRIU with only gpucr's CRIU plugin (CRIU_LIBS_DIR)
+#   e         stock runc shim + CRIU with gpucr's installed CRIU plugin (plain runc's path)
+#   twice-N   the installed layout, default annotations, N GiB: c, then c again of the restored
+#             container (twice-N-2); plugin-twice(-2) the same at SMALL GiB with
+#             io.gpucr.gpu-quiesce=plugin
+#   hang      CRIU never returns: the checkpoint fails at its 20 s deadline, the task runs on
+#             with its GPU; hang-after: c of that container
 #   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise; gpucr-16-h0 as gpucr-16 with
 #             the restore's copy-in helpers off (annotation io.gpucr.restore-helpers=0), side by
 #             side (the helpers need the restore's image on tmpfs: GPUCR_E2E_TMPDIR)
@@ -34,8 +39,12 @@
 #   GPUCR_E2E_DRY=1        no GPU: dependencies, containerd, images, and CPU-only checkpoint/
 #                          restore cycles (busybox loop) through both runtimes; for CPU machines
 #   GPUCR_E2E_SKIP_STOCK=1 skip a and stock-N (the stock runtime's small runs)
-#   GPUCR_E2E_HOOK=1       install carry/bin/libgpucr_hook.so and give containerd GPUCR_HOOK_LIB:
-#                          gpucr then injects the hook into every GPU container (the fast path)
+#   GPUCR_E2E_HOOK=0       gpucr containers get io.gpucr.hook=off (the driver path); by default
+#                          the installed hook is injected into every GPU container (fast path)
+# The product is installed by install/install.sh --from (prebuilt files from carry/bin) where
+# it installs it: the shim in /usr/local/bin, gpucr's CRIU plugin in /usr/lib/criu, the hook in
+# /usr/lib/gpucr. The stock baselines (a, stock-N) point CRIU at an empty plugin directory:
+# they stand for a node without gpucr.
 #   GPUCR_E2E_ONLY="c d"   run only these scenarios (names as in results.txt; default all)
 #   GPUCR_E2E_SKIP_BIG=1   skip the 16 GiB runs;  GPUCR_E2E_BIG_GIB (16), GPUCR_E2E_SMALL_GIB (2)
 #   GPUCR_E2E_BUDGET_S     seconds for the whole run (default 540); later parts are skipped
@@ -203,7 +212,7 @@ setup_deps() {
   [ -d "$CARRY/debs" ] || die "$CARRY/debs missing: run tests/gpu/prepare-carry.sh here and carry 'carry'"
   [ -f "$CARRY/bin/containerd-shim-gpucr-v2" ] || [ -f "$CARRY/bin/containerd-shim-gpucr-v2.xz" ] \
     || die "$CARRY/bin/containerd-shim-gpucr-v2(.xz) missing (prepare-carry.sh)"
-  mkdir -p "$TOOLS" "$BIN" "$TOOLS/criu-plugin" "$LOGS" "$DATA/tmp"
+  mkdir -p "$TOOLS" "$BIN" "$TOOLS/no-plugins" "$LOGS" "$DATA/tmp"
   local f
   for f in "$CARRY"/debs/*.deb; do dpkg -x "$f" "$TOOLS/root"; done
   local r=$TOOLS/root
@@ -213,13 +222,16 @@ setup_deps() {
 #!/bin/sh
 # CRIU from Debian packages extracted into $r. runc runs it from PATH.
 export LD_LIBRARY_PATH="$libpath\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-# Scenario e: gpucr's CRIU plugin, switched on by a file (containerd's environment is fixed).
+# The stock baselines (a, stock-N) stand for a node without gpucr: while this file names a
+# directory, CRIU loads its plugins from there (an empty one) instead of /usr/lib/criu, where
+# install.sh put gpucr's plugin. Nothing of gpucr's is moved.
 if [ -s "$TOOLS/criu-libs-dir" ]; then
   CRIU_LIBS_DIR=\$(cat "$TOOLS/criu-libs-dir"); export CRIU_LIBS_DIR
-  GPUCR_LOCK_TIMEOUT_MS=\${GPUCR_LOCK_TIMEOUT_MS:-8000}; export GPUCR_LOCK_TIMEOUT_MS
-  # A driver call that never returns becomes a failed dump with a log line, not a hang.
-  GPUCR_PLUGIN_CALL_TIMEOUT_S=\${GPUCR_PLUGIN_CALL_TIMEOUT_S:-25}; export GPUCR_PLUGIN_CALL_TIMEOUT_S
 fi
+# Scenario inst-hang: a CRIU that never returns.
+if [ -e "$TOOLS/criu-hang" ]; then echo \$\$ >>"$TOOLS/criu-hung.pids"; exec sleep 600; fi
+# A driver call in the plugin that never returns becomes a failed dump with a log line.
+GPUCR_PLUGIN_CALL_TIMEOUT_S=\${GPUCR_PLUGIN_CALL_TIMEOUT_S:-60}; export GPUCR_PLUGIN_CALL_TIMEOUT_S
 exec "$r/usr/sbin/criu" "\$@"
 EOF
   chmod +x "$BIN/criu"
@@ -234,27 +246,31 @@ EOF
   b=$(first_file "$r"/bin/busybox "$r"/usr/bin/busybox)
   [ -n "$b" ] || die "busybox not found in the extracted packages"
   ln -sf "$b" "$BIN/busybox"
-  if [ -f "$CARRY/bin/containerd-shim-gpucr-v2.xz" ]; then
-    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-      "$CARRY/bin/containerd-shim-gpucr-v2.xz" "$BIN/containerd-shim-gpucr-v2" && chmod 0755 "$BIN/containerd-shim-gpucr-v2"
-  else
-    install -m 0755 "$CARRY/bin/containerd-shim-gpucr-v2" "$BIN/containerd-shim-gpucr-v2"
-  fi
-  install -m 0644 "$CARRY/bin/libgpucr_criu_plugin.so" "$TOOLS/criu-plugin/libgpucr_criu_plugin.so"
   [ -f "$CARRY/bin/shim-ckpt" ] || die "$CARRY/bin/shim-ckpt missing (prepare-carry.sh)"
   install -m 0755 "$CARRY/bin/shim-ckpt" "$BIN/shim-ckpt"
-  HOOK_ENV=()
-  if [ "${GPUCR_E2E_HOOK:-0}" = 1 ]; then
-    [ -f "$CARRY/bin/libgpucr_hook.so" ] || die "GPUCR_E2E_HOOK=1 but carry/bin/libgpucr_hook.so is missing"
-    install -m 0755 "$CARRY/bin/libgpucr_hook.so" "$TOOLS/libgpucr_hook.so"
-    HOOK_ENV=(GPUCR_HOOK_LIB="$TOOLS/libgpucr_hook.so")
-    log "hook fast path on: GPUCR_HOOK_LIB=$TOOLS/libgpucr_hook.so"
-    # The restore's copy-in helpers: the shim looks for gpucr-copyin next to itself.
-    if [ -f "$CARRY/bin/gpucr-copyin" ]; then
-      install -m 0755 "$CARRY/bin/gpucr-copyin" "$BIN/gpucr-copyin"
-      log "restore copy-in helpers: $BIN/gpucr-copyin"
-    fi
+  # The product goes where install/install.sh puts it, by install.sh itself (prebuilt files:
+  # no cargo here): the shim and gpucr-copyin in /usr/local/bin, gpucr's CRIU plugin in
+  # /usr/lib/criu (CRIU loads it for every dump and restore), the hook in /usr/lib/gpucr.
+  local stage=$TOOLS/product
+  rm -rf "$stage"; mkdir -p "$stage"
+  if [ -f "$CARRY/bin/containerd-shim-gpucr-v2.xz" ]; then
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$CARRY/bin/containerd-shim-gpucr-v2.xz" "$stage/containerd-shim-gpucr-v2"
+  else
+    cp "$CARRY/bin/containerd-shim-gpucr-v2" "$stage/"
   fi
+  for b in libgpucr_criu_plugin.so libgpucr_hook.so gpucr-copyin; do
+    [ -f "$CARRY/bin/$b" ] || die "$CARRY/bin/$b missing (prepare-carry.sh)"
+    cp "$CARRY/bin/$b" "$stage/"
+  done
+  chmod 0755 "$stage/containerd-shim-gpucr-v2" "$stage/gpucr-copyin"
+  PATH="$BIN:$PATH" bash "$REPO/install/install.sh" --no-deps --from "$stage" >"$LOGS/install.txt" 2>&1 \
+    || { cat "$LOGS/install.txt"; die "install/install.sh failed"; }
+  log "installed: $(grep -c . "$LOGS/install.txt") lines (logs/install.txt); $(ls -l /usr/lib/criu | tail -n +2 | awk '{print $NF}' | tr '\n' ' ')"
+  rm -f "$BIN/containerd-shim-gpucr-v2" "$BIN/gpucr-copyin"
+  # The hook is installed, so gpucr injects it into every GPU container (io.gpucr.hook=auto);
+  # GPUCR_E2E_HOOK=0 turns it off per container instead (start_workload).
+  HOOK_ENV=()
   rm -f "$TOOLS/criu-libs-dir"
   export PATH="$BIN:$PATH"
   {
@@ -262,7 +278,7 @@ EOF
     echo "runc: $(runc --version 2>&1 | head -1)"
     echo "criu: $(criu --version 2>&1 | head -1)"
     echo "busybox: $(busybox 2>&1 | head -1)"
-    echo "shim: $(sha256sum "$BIN/containerd-shim-gpucr-v2" | cut -c1-12)"
+    echo "shim: $(sha256sum /usr/local/bin/containerd-shim-gpucr-v2 | cut -c1-12)"
   } | tee "$LOGS/versions.txt"
   log "criu check"
   if criu check >"$LOGS/criu-check.txt" 2>&1; then
@@ -385,7 +401,7 @@ build_images() {
   busybox_rootfs "$r"
   cp "$TOOLS/workload" "$r/workload"
   copy_libs "$r" "$TOOLS/workload" "$(readlink -f /usr/local/nvidia/lib64/libcuda.so.1)" \
-    $([ "${GPUCR_E2E_HOOK:-0}" = 1 ] && echo "$CARRY/bin/libgpucr_hook.so")
+    $([ "${GPUCR_E2E_HOOK:-1}" = 1 ] && echo /usr/lib/gpucr/libgpucr_hook.so)
   mkdir -p "$r/usr/local/nvidia"
   (cd "$r" && find . -name '*.so*' | sort | tr '\n' ' ') >"$LOGS/cuda-rootfs-libs.txt"
   import_rootfs "$r" "$CUDA_IMAGE"
@@ -520,8 +536,10 @@ wait_step() {
 start_workload() {
   local id=$1 rt=$2 pid
   log "start $id ($rt, $WL_KIND ${WL_GIB}GiB)"
+  local extra=()
+  [ "$rt" = "$GPUCR_RT" ] && [ "${GPUCR_E2E_HOOK:-1}" = 0 ] && extra=(--annotation io.gpucr.hook=off)
   CTR_T=60 cc run -d --runtime "$rt" --net-host --log-uri "file://$LOGS/$id.stdio" \
-    "${WL_ARGS[@]}" "$WL_IMAGE" "$id" "${WL_CMD[@]}" >/dev/null || { log "ctr run $id failed"; return 1; }
+    "${WL_ARGS[@]}" "${extra[@]}" "$WL_IMAGE" "$id" "${WL_CMD[@]}" >/dev/null || { log "ctr run $id failed"; return 1; }
   pid=$(task_pid "$id")
   [ -n "$pid" ] || { log "no task for $id"; return 1; }
   wait_step "$pid" 3 "$WL_START_T" || { tail -5 "$LOGS/$id.stdio" 2>/dev/null; return 1; }
@@ -821,7 +839,7 @@ scenario_s() {
   figs+="image_mib=$(du -sm "$dir" | cut -f1) "
   if [ "$mode" = exit ]; then
     # CRIU killed the task; its rootfs stays mounted in the bundle until the task is deleted.
-    [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ] && { grep -q "copy-out prepared while the process runs" \
+    [ "${GPUCR_E2E_HOOK:-1}" = 1 ] && [ "$DRY" != 1 ] && { grep -q "copy-out prepared while the process runs" \
       "$LOGS/$id-$name-ckpt-ctd.log" || { ok=0; figs+="NOT_PREPARED "; }; }
     local i st=""
     for i in $(seq 50); do st=$(task_status "$id"); [ "$st" = STOPPED ] && break; sleep 0.2; done
@@ -834,7 +852,7 @@ scenario_s() {
       return 1
     fi
   else
-    if [ "${GPUCR_E2E_HOOK:-0}" = 1 ] && [ "$DRY" != 1 ]; then
+    if [ "${GPUCR_E2E_HOOK:-1}" = 1 ] && [ "$DRY" != 1 ]; then
       grep -q "snapshot written while the process runs" "$LOGS/$id-$name-ckpt-ctd.log" \
         || { ok=0; figs+="NO_SNAPSHOT "; }
     fi
@@ -896,6 +914,10 @@ want() {
   SKIP_WHY="not in GPUCR_E2E_ONLY"
   return 1
 }
+# baseline on|off: the stock runs stand for a node without gpucr (see the criu wrapper).
+baseline() {
+  if [ "$1" = on ]; then echo "$TOOLS/no-plugins" >"$TOOLS/criu-libs-dir"; else rm -f "$TOOLS/criu-libs-dir"; fi
+}
 skip_all() { local n; for n in "$@"; do result "$n" SKIP 0 "${SKIP_WHY:-not run}"; done; }
 enough() { [ "$(left)" -ge "$1" ] || { log "only $(left)s left of the budget: skipping $2"; SKIP_WHY="time budget"; return 1; }; }
 
@@ -952,7 +974,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi full e d t gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi full e d t twice-$BIG twice-$BIG-2 plugin-twice plugin-twice-2 hang hang-after gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -963,13 +985,14 @@ if [ "${GPUCR_E2E_SKIP_STOCK:-0}" = 1 ]; then
   SKIP_WHY="GPUCR_E2E_SKIP_STOCK=1" skip_all a "stock-$SMALL"
 elif ! want a "stock-$SMALL"; then
   skip_all a "stock-$SMALL"
-elif start_workload stock "$RUNC_RT"; then
+elif baseline on && start_workload stock "$RUNC_RT"; then
   scenario_a stock || true
   cr_cycle stock stock "stock-$SMALL" || true
 else
   result a FAIL 0 "the CUDA container did not start (see logs/stock.stdio)"
 fi
 kill_rm stock
+baseline off
 
 # b + c: gpucr, one container (b's restore, if it works, is the container c checkpoints).
 if ! want b b-restore c; then
@@ -990,7 +1013,7 @@ kill_rm gpucr
 # x + x-restore: the same with exit (the shim prepares the hook's copy-out while it runs).
 # unpaused ID NAME [exit]: one of them in a container of its own.
 unpaused() {
-  if [ "${GPUCR_E2E_HOOK:-0}" != 1 ]; then
+  if [ "${GPUCR_E2E_HOOK:-1}" != 1 ]; then
     SKIP_WHY="needs GPUCR_E2E_HOOK=1" skip_all "$2" "$2-restore"
   elif ! want "$2" "$2-restore"; then
     skip_all "$2" "$2-restore"
@@ -1236,7 +1259,7 @@ PY
 if ! want e; then
   skip_all e
 elif enough 40 e; then
-  echo "$TOOLS/criu-plugin" >"$TOOLS/criu-libs-dir"
+  # The runc shim with gpucr's installed plugin (plain runc's path).
   use_workload cuda "$SMALL"
   if start_workload plugin "$RUNC_RT"; then
     scenario_e_runc || true
@@ -1244,7 +1267,6 @@ elif enough 40 e; then
     result e FAIL 0 "the CUDA container did not start"
   fi
   kill_rm plugin
-  rm -f "$TOOLS/criu-libs-dir"
 else
   skip_all e
 fi
@@ -1288,6 +1310,104 @@ else
   skip_all t
 fi
 
+# twice-N: the installed layout with default annotations: checkpoint, kill, restore, then the
+# restored container again (issue 19: the fast path by default, a second cycle).
+# plugin-twice: the same at SMALL GiB with the GPU handed to gpucr's CRIU plugin
+# (io.gpucr.gpu-quiesce=plugin; the hook is injected but does not move memory).
+# twice ID NAME: two cr_cycles of the running container ID.
+twice() {
+  cr_cycle "$1" gpucr "$2" && cr_cycle "$1" gpucr "$2-2"
+}
+if ! want "twice-$BIG" "twice-$BIG-2"; then
+  skip_all "twice-$BIG" "twice-$BIG-2"
+elif enough 200 "twice-$BIG"; then
+  use_workload cuda "$BIG"
+  if ! ref_run cuda "$BIG" 400; then
+    result "twice-$BIG" FAIL 0 "the ${BIG} GiB reference run failed on the host"
+  elif start_workload twice "$GPUCR_RT"; then
+    twice twice "twice-$BIG" || true
+  else
+    result "twice-$BIG" FAIL 0 "the CUDA container did not start"
+  fi
+  kill_rm twice
+else
+  skip_all "twice-$BIG" "twice-$BIG-2"
+fi
+if ! want plugin-twice plugin-twice-2; then
+  skip_all plugin-twice plugin-twice-2
+elif enough 90 plugin-twice; then
+  use_workload cuda "$SMALL"
+  WL_ARGS+=(--annotation io.gpucr.gpu-quiesce=plugin)
+  if start_workload plugin-twice "$GPUCR_RT"; then
+    twice plugin-twice plugin-twice || true
+  else
+    result plugin-twice FAIL 0 "the CUDA container did not start"
+  fi
+  kill_rm plugin-twice
+else
+  skip_all plugin-twice plugin-twice-2
+fi
+
+# hang: CRIU never returns (the criu wrapper sleeps): the checkpoint fails at its deadline
+# (annotation io.gpucr.checkpoint-timeout-s=20) naming the step, State answers meanwhile, the
+# task runs on with its GPU given back; then the same container checkpoints and restores
+# (hang-after), its device memory exact.
+scenario_hang() {
+  local id=$1 t0 pid before ok=1 figs="" ref st
+  t0=$(now_ms)
+  pid=$(task_pid "$id")
+  before=$(laststep "$pid")
+  ref=docker.io/gpucr-e2e/hang:$(date +%s%N)
+  : >"$TOOLS/criu-hung.pids"
+  touch "$TOOLS/criu-hang"
+  (
+    sleep 8
+    local t
+    t=$(now_ms)
+    echo "state_during=$(task_status "$id") state_ms=$(($(now_ms) - t))" >"$LOGS/hang-state.txt"
+  ) &
+  local asker=$!
+  if CTR_T=150 cc c checkpoint --task --rw "$id" "$ref" >"$LOGS/hang-ckpt.txt" 2>&1; then
+    ok=0
+    figs+="checkpoint_succeeded "
+  fi
+  wait "$asker" || true
+  rm -f "$TOOLS/criu-hang"
+  figs+="failed_after_s=$(secs_since "$t0") $(cat "$LOGS/hang-state.txt" 2>/dev/null) "
+  grep -q "did not finish within 20s" "$LOGS/hang-ckpt.txt" || { ok=0; figs+="no_deadline_error "; }
+  figs+="error=[$(grep -o 'runc checkpoint did not finish[^;]*' "$LOGS/hang-ckpt.txt" | head -1)] "
+  local p alive=0
+  for p in $(cat "$TOOLS/criu-hung.pids"); do kill -0 "$p" 2>/dev/null && alive=$((alive + 1)); done
+  figs+="hung_criu=$(grep -c . "$TOOLS/criu-hung.pids") hung_alive=$alive "
+  [ "$alive" = 0 ] || ok=0
+  st=$(task_status "$id")
+  figs+="state_after=$st "
+  [ "$st" = RUNNING ] || ok=0
+  wait_step "$pid" $((before + 3)) 60 || ok=0
+  local out
+  out=$(hash_now "$id") && figs+="after=[$out] " || ok=0
+  if [ "$ok" = 1 ]; then
+    result hang PASS "$(secs_since "$t0")" "$figs"
+  else
+    result hang FAIL "$(secs_since "$t0")" "$figs $(head -c 400 "$LOGS/hang-ckpt.txt" | tr '\n' ' ')"
+  fi
+  cr_cycle "$id" gpucr hang-after || true
+}
+if ! want hang hang-after; then
+  skip_all hang hang-after
+elif enough 90 hang; then
+  use_workload cuda "$SMALL"
+  WL_ARGS+=(--annotation io.gpucr.checkpoint-timeout-s=20)
+  if start_workload hang "$GPUCR_RT"; then
+    scenario_hang hang || true
+  else
+    result hang FAIL 0 "the CUDA container did not start"
+  fi
+  kill_rm hang
+else
+  skip_all hang hang-after
+fi
+
 # f: the big runs, gpucr and stock side by side.
 if [ "$SKIP_BIG" = 1 ]; then
   SKIP_WHY="GPUCR_E2E_SKIP_BIG=1" skip_all "gpucr-$BIG" "stock-$BIG"
@@ -1322,12 +1442,14 @@ elif enough 150 "gpucr-$BIG"; then
   fi
   kill_rm gpucr-big
   if enough 140 "stock-$BIG"; then
+    baseline on
     if start_workload stock-big "$RUNC_RT"; then
       cr_cycle stock-big stock "stock-$BIG" || true
     else
       result "stock-$BIG" FAIL 0 "the CUDA container did not start"
     fi
     kill_rm stock-big
+    baseline off
   else
     skip_all "stock-$BIG"
   fi
