@@ -200,6 +200,6 @@ fi
 say "runtime class gpucr registered for containerd $ctr_version (config version $cfg_version, $dropin)"
 say "manifest: $manifest"
 say "Kubernetes: kubectl apply -f $here/kubernetes/runtimeclass.yaml"
-if pgrep -x containerd >/dev/null; then
+if command -v pgrep >/dev/null && pgrep -x containerd >/dev/null; then
   say "restart containerd to load the CRI runtime class (ctr --runtime io.containerd.gpucr.v2 works now)"
 fi

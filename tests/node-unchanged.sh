@@ -16,6 +16,7 @@
 #        extended and restored by uninstall.
 # It ends with gpucr installed, as after the first install.
 set -euo pipefail
+export LC_ALL=C   # sort and join must agree
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 fail=0
