@@ -78,14 +78,14 @@ apt-get update -qq
 have=$(gpucr_dpkg_version containerd)
 if [ -z "$have" ] && command -v containerd >/dev/null 2>&1; then
   have=$(containerd --version | awk '{print $3}' | sed 's/^v//')
-  gpucr_say "containerd $have is installed outside apt ($(command -v containerd)); keeping it"
+  gpucr_say "containerd $have is installed, not from the containerd package ($(command -v containerd), e.g. Docker's containerd.io); keeping it"
 fi
 if [ -n "$have" ]; then
   dpkg --compare-versions "$have" ge 1.7 \
     || gpucr_die "containerd $have is installed; gpucr needs >= 1.7. Upgrade it yourself (deps.sh changes no installed package), then re-run"
 else
-  # runc and iptables first, from the base release, so containerd/trixie does not pull trixie's.
-  gpucr_apt_install_new runc
+  # runc first, from the base release, so containerd/trixie does not pull trixie's.
+  command -v runc >/dev/null 2>&1 || gpucr_apt_install_new runc
   if [ -n "$containerd_from" ]; then
     gpucr_apt_install_new "containerd/$containerd_from"
   else
@@ -95,7 +95,11 @@ else
     gpucr_apt_install_new containerd
   fi
 fi
-gpucr_apt_install_new runc iptables busybox-static jq
+# A runc or iptables already there (e.g. Docker's containerd.io brings runc) is kept.
+rest=(busybox-static jq)
+command -v runc >/dev/null 2>&1 || rest+=(runc)
+PATH="$PATH:/usr/sbin:/sbin" command -v iptables >/dev/null 2>&1 || rest+=(iptables)
+gpucr_apt_install_new "${rest[@]}"
 
 # CRIU >= 4, with its plugin directory /usr/lib/criu.
 criu_major() { "$1" --version 2>/dev/null | awk '/^Version:/ {split($2, v, "."); print v[1]}'; }

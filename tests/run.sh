@@ -50,6 +50,11 @@ fi
 step "criu check"
 criu check || echo "gpucr CI: warning: criu check failed; checkpoint tests will fail"
 
+if [ -f /var/lib/gpucr/install-manifest ]; then
+  # The check below compares with the node before gpucr's install: start from one without it.
+  step "remove the previous gpucr install (install/uninstall.sh)"
+  bash install/uninstall.sh
+fi
 step "install gpucr (install/install.sh: binaries, CRIU plugin, hook, containerd runtime class)"
 bash tests/node-unchanged.sh snapshot-config "$log_dir/node"
 bash install/install.sh --no-deps
