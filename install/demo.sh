@@ -3,9 +3,14 @@
 # run a container with gpucr, checkpoint it, kill it, restore it, and show its in-memory
 # counter going on from where it was.
 #
-# usage: sudo bash install/demo.sh [--no-install]
+# usage: bash install/demo.sh [--no-install]   (as root, or as a user with sudo: it re-runs
+#        itself with sudo; cargo is found in ~/.cargo/bin of the user who ran sudo)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+gpucr_tag=gpucr-demo
+# shellcheck source=install/lib.sh
+. "$here/lib.sh"
+gpucr_as_root "$here/demo.sh" "$@"
 [ "${1:-}" = --no-install ] || bash "$here/install.sh"
 
 sock=/run/containerd/containerd.sock

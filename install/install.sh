@@ -1,71 +1,205 @@
 #!/usr/bin/env bash
-# Installs gpucr on Debian/Ubuntu: runtime dependencies (containerd, runc, iptables, CRIU >= 4),
-# release binaries, gpucr's CRIU plugin, and the `gpucr` runtime class for containerd 1.7 / 2.x.
+# Installs gpucr on Debian/Ubuntu: runtime dependencies (install/deps.sh: containerd, runc,
+# iptables, CRIU >= 4 — changing no installed package), release binaries, gpucr's CRIU plugin,
+# the hook library, and the `gpucr` runtime class for containerd 1.7 / 2.x.
 #
-# usage: install/install.sh [--no-deps] [--prefix DIR]
+#   $prefix/bin/containerd-shim-gpucr-v2     the runtime io.containerd.gpucr.v2 (prefix /usr/local)
+#   $prefix/bin/gpucr-copyin                 restore copy-in helper (the shim starts it)
+#   /usr/lib/criu/gpucr_cuda_plugin.so       CRIU plugin (CRIU loads every *.so there)
+#   /usr/lib/gpucr/libgpucr_hook.so          hook library, preloaded into GPU containers
+#   /etc/containerd/conf.d/gpucr.toml        runtime class `gpucr`, imported from config.toml
+#   /var/lib/gpucr/install-manifest          what this script installed (install/uninstall.sh)
+#
+# Running it again changes nothing that is already in place. containerd is not restarted.
+#
+# usage: install/install.sh [--no-deps] [--no-build] [--from DIR] [--prefix DIR]
+#   --no-deps    skip install/deps.sh
+#   --no-build   do not run cargo; install what is already built (in target/release or --from)
+#   --from DIR   take the built files from DIR instead of target/release (implies --no-build)
+#   --prefix DIR where bin/ goes (default /usr/local)
+# env: GPUCR_DESTDIR  install under this directory instead of / (tests; the paths written into
+#                     config.toml then include it)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(dirname "$here")
+gpucr_tag=gpucr-install
+# shellcheck source=install/lib.sh
+. "$here/lib.sh"
+gpucr_as_root "$here/install.sh" "$@"
+
+root=${GPUCR_DESTDIR:-}
 prefix=/usr/local
 deps=1
+build=1
+from="$top/target/release"
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-deps) deps=0 ;;
+    --no-build) build=0 ;;
+    --from) from=$(cd "$2" && pwd); build=0; shift ;;
     --prefix) prefix=$2; shift ;;
-    *) echo "unknown argument $1" >&2; exit 2 ;;
+    *) echo "usage: install/install.sh [--no-deps] [--no-build] [--from DIR] [--prefix DIR] (unknown argument $1)" >&2; exit 2 ;;
   esac
   shift
 done
-say() { echo "gpucr-install: $*"; }
+say() { gpucr_say "$@"; }
+die() { gpucr_die "$@"; }
 
-[ "$(id -u)" = 0 ] || { echo "run as root (containerd, CRIU and mounts need it)" >&2; exit 1; }
+gpucr_state_dir="$root$gpucr_state_dir"
+bin_dir="$root$prefix/bin"
+criu_plugin_dir="$root/usr/lib/criu"
+hook_dir="$root/usr/lib/gpucr"
+cfg_dir="$root/etc/containerd"
+cfg="$cfg_dir/config.toml"
+dropin_dir="$cfg_dir/conf.d"
+dropin="$dropin_dir/gpucr.toml"
+import_glob="$dropin_dir/*.toml"
+manifest="$gpucr_state_dir/install-manifest"
+marker="# added by gpucr's install/install.sh (install/uninstall.sh removes it):"
+
 [ "$deps" = 1 ] && bash "$here/deps.sh"
 
-command -v cargo >/dev/null || {
-  echo "cargo not found: install a Rust toolchain (https://rustup.rs) and re-run" >&2; exit 1; }
-say "building release binaries"
-# -p gpucr-hook builds gpucr-copyin (with the cuda feature the preload library turns on).
-(cd "$top" && cargo build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload -p gpucr-hook)
-
-install -D -m 0755 "$top/target/release/containerd-shim-gpucr-v2" "$prefix/bin/containerd-shim-gpucr-v2"
-say "installed $prefix/bin/containerd-shim-gpucr-v2 (runtime io.containerd.gpucr.v2)"
-# The restore's copy-in helper: the shim starts it from its own directory.
-install -D -m 0755 "$top/target/release/gpucr-copyin" "$prefix/bin/gpucr-copyin"
-say "installed $prefix/bin/gpucr-copyin (restores copy device memory in with it; io.gpucr.restore-helpers=0 per container turns it off)"
-
-# CRIU loads every *.so in its plugin directory (/usr/lib/criu unless --libdir is given).
-plugin_dir=/usr/lib/criu
-install -D -m 0644 "$top/target/release/libgpucr_criu_plugin.so" "$plugin_dir/gpucr_cuda_plugin.so"
-say "installed CRIU plugin $plugin_dir/gpucr_cuda_plugin.so (CUDA processes, no cuda-checkpoint binary)"
-
-# The hook library (package gpucr-hook-preload), preloaded by the shim into GPU containers
-# (read-only bind mount).
-install -D -m 0644 "$top/target/release/libgpucr_hook.so" /usr/lib/gpucr/libgpucr_hook.so
-say "installed /usr/lib/gpucr/libgpucr_hook.so (GPU containers get it; io.gpucr.hook=off per container, GPUCR_HOOK_LIB for another path)"
-
-# Register the runtime class with containerd through a conf.d drop-in.
-ctr_version=$(containerd --version 2>/dev/null | awk '{print $3}' | sed 's/^v//')
-major=${ctr_version%%.*}
-mkdir -p /etc/containerd/conf.d
-if [ "${major:-1}" -ge 2 ] 2>/dev/null; then
-  install -m 0644 "$here/containerd/gpucr-v3.toml" /etc/containerd/conf.d/gpucr.toml
-  cfg_version=3
+# --- which drop-in: it must match the version of the config.toml that imports it ---------------
+command -v containerd >/dev/null || die "containerd not found: run install/deps.sh (or install containerd >= 1.7), then re-run"
+ctr_version=$(containerd --version | awk '{print $3}' | sed 's/^v//')
+ctr_major=${ctr_version%%.*}
+# Top-level keys are the lines before the first [table].
+toplevel() { awk '/^[[:space:]]*\[/ {exit} {print}' "$1"; }
+if [ -f "$cfg" ]; then
+  cfg_version=$(toplevel "$cfg" | sed -n 's/^[[:space:]]*version[[:space:]]*=[[:space:]]*\([0-9]*\).*/\1/p' | head -1)
+  case "$cfg_version" in
+    2) ;;  # containerd 2.x reads (and migrates) version 2 too, e.g. Debian's shipped config.toml
+    3) [ "$ctr_major" -ge 2 ] || die "$cfg is config version 3, which containerd $ctr_version cannot read; fix the config first" ;;
+    "") die "$cfg has no top-level 'version' (a version-1 config); a version 2/3 drop-in would change how containerd reads it. Convert it first (containerd 2.x: 'containerd config migrate'; 1.7: add 'version = 2' and the full plugin names, see 'containerd config default'), then re-run" ;;
+    *) die "$cfg: config version '$cfg_version' is not supported (2 or 3 are)" ;;
+  esac
 else
-  install -m 0644 "$here/containerd/gpucr-v2.toml" /etc/containerd/conf.d/gpucr.toml
-  cfg_version=2
+  if [ "$ctr_major" -ge 2 ]; then cfg_version=3; else cfg_version=2; fi
 fi
-cfg=/etc/containerd/config.toml
+
+# --- the manifest: "KIND PATH [DATA]" lines; a re-run keeps the records of earlier runs --------
+declare -A rec=()
+order=()
+if [ -f "$manifest" ]; then
+  while read -r kind path data; do
+    [ -n "${kind:-}" ] && [ "${kind:0:1}" != "#" ] || continue
+    rec["$kind $path"]=$data
+    order+=("$kind $path")
+  done < "$manifest"
+fi
+record() {  # record KIND PATH [DATA]
+  local key="$1 $2"
+  [ -n "${rec[$key]+x}" ] || order+=("$key")
+  rec["$key"]=${3:-}
+}
+save_manifest() {
+  mkdir -p "$gpucr_state_dir"
+  {
+    echo "# gpucr install/install.sh: what it installed (install/uninstall.sh removes exactly this)"
+    local k
+    for k in "${order[@]}"; do echo "$k${rec[$k]:+ ${rec[$k]}}"; done
+  } > "$manifest.new"
+  if cmp -s "$manifest.new" "$manifest"; then rm -f "$manifest.new"; else mv -f "$manifest.new" "$manifest"; fi
+}
+
+make_dir() {  # creates DIR and records each directory it had to create
+  local d=$1
+  [ -d "$d" ] && return 0
+  make_dir "$(dirname "$d")"
+  mkdir -m 0755 "$d"
+  record dir "$d"
+}
+put_file() {  # put_file SRC DEST MODE: copies only when content or mode differ (no new mtime)
+  local src=$1 dest=$2 mode=$3
+  [ -f "$src" ] || die "missing $src: build first (cargo build --release), or pass --from DIR"
+  make_dir "$(dirname "$dest")"
+  if [ -f "$dest" ] && cmp -s "$src" "$dest" && [ "$(stat -c %a "$dest")" = "${mode#0}" ]; then
+    say "unchanged $dest"
+  else
+    # Renamed into place: a running shim keeps its old binary (no "text file busy").
+    install -m "$mode" "$src" "$dest.gpucr-new"
+    mv -f "$dest.gpucr-new" "$dest"
+    say "installed $dest"
+  fi
+  record file "$dest" "$(sha256sum "$dest" | cut -d' ' -f1)"
+}
+
+# --- build -----------------------------------------------------------------------------------
+if [ "$build" = 1 ]; then
+  gpucr_find_cargo || die "cargo not found (not on PATH, not in ~/.cargo/bin of root or \$SUDO_USER): install a Rust toolchain (https://rustup.rs) and re-run, or build elsewhere and pass --from DIR"
+  # -p gpucr-hook builds gpucr-copyin (with the cuda feature the preload library turns on).
+  cargo_args=(build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload -p gpucr-hook)
+  owner=$(stat -c %U "$top")
+  if [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] && [ "$owner" = "$SUDO_USER" ]; then
+    # Build as the checkout's owner: target/ and ~/.cargo stay theirs.
+    say "building release binaries (as $SUDO_USER)"
+    (cd "$top" && runuser -u "$SUDO_USER" -- env PATH="$PATH" HOME="$(gpucr_sudo_home)" cargo "${cargo_args[@]}")
+  else
+    say "building release binaries"
+    (cd "$top" && cargo "${cargo_args[@]}")
+  fi
+fi
+
+# --- files -----------------------------------------------------------------------------------
+put_file "$from/containerd-shim-gpucr-v2" "$bin_dir/containerd-shim-gpucr-v2" 0755
+# The restore's copy-in helper: the shim starts it from its own directory.
+put_file "$from/gpucr-copyin" "$bin_dir/gpucr-copyin" 0755
+# CRIU loads every *.so in its plugin directory (/usr/lib/criu; deps.sh builds CRIU that way).
+put_file "$from/libgpucr_criu_plugin.so" "$criu_plugin_dir/gpucr_cuda_plugin.so" 0644
+# Preloaded by the shim into GPU containers (read-only bind mount); io.gpucr.hook=off per
+# container turns it off, GPUCR_HOOK_LIB in containerd's environment points elsewhere.
+put_file "$from/libgpucr_hook.so" "$hook_dir/libgpucr_hook.so" 0644
+put_file "$here/containerd/gpucr-v$cfg_version.toml" "$dropin" 0644
+
+# --- config.toml imports the drop-in ---------------------------------------------------------
+imports_new="imports = [\"$import_glob\"]"
+make_dir "$cfg_dir"
 if [ ! -f "$cfg" ]; then
-  printf 'version = %s\nimports = ["/etc/containerd/conf.d/*.toml"]\n' "$cfg_version" > "$cfg"
-elif ! grep -q '^imports' "$cfg"; then
-  # Top-level keys must precede the first table: put the import first.
-  { echo 'imports = ["/etc/containerd/conf.d/*.toml"]'; cat "$cfg"; } > "$cfg.gpucr-new"
-  mv "$cfg.gpucr-new" "$cfg"
-elif ! grep -q 'conf.d' "$cfg"; then
-  say "NOTE: $cfg already has an imports line; add \"/etc/containerd/conf.d/*.toml\" to it"
+  printf 'version = %s\n%s\n%s\n' "$cfg_version" "$marker" "$imports_new" > "$cfg"
+  record config-created "$cfg" "$(sha256sum "$cfg" | cut -d' ' -f1)"
+  say "created $cfg (version $cfg_version, imports $import_glob)"
+else
+  imports=$(toplevel "$cfg" | grep -E '^[[:space:]]*imports[[:space:]]*=' || true)
+  if [ -z "$imports" ]; then
+    # Top-level keys must precede the first table: put the import first.
+    { echo "$marker"; echo "$imports_new"; cat "$cfg"; } > "$cfg.gpucr-new"
+    cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"   # keeps the file's owner and mode
+    record imports-added "$cfg"
+    say "added to $cfg: $imports_new"
+  elif [[ $imports == *"\"$import_glob\""* ]]; then
+    say "unchanged $cfg (imports $import_glob already)"
+  elif [ "$(printf '%s\n' "$imports" | wc -l)" = 1 ] && [[ $imports =~ ^[[:space:]]*imports[[:space:]]*=[[:space:]]*\[.*\][[:space:]]*$ ]]; then
+    # A one-line array: append our glob; uninstall puts the old line back.
+    if [[ $imports =~ \[[[:space:]]*\] ]]; then
+      replaced="$imports_new"
+    else
+      replaced="${imports%]*}, \"$import_glob\"]"
+    fi
+    mkdir -p "$gpucr_state_dir"
+    printf '%s\n' "$imports" > "$gpucr_state_dir/imports-line.orig"
+    printf '%s\n' "$replaced" > "$gpucr_state_dir/imports-line.new"
+    awk -v old="$imports" -v new="$replaced" -v marker="$marker" \
+      '!done && $0 == old {print marker; print new; done = 1; next} {print}' "$cfg" > "$cfg.gpucr-new"
+    cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"
+    record imports-replaced "$cfg"
+    say "changed in $cfg: '$imports' -> '$replaced'"
+  else
+    say "NOTE: $cfg has a multi-line imports array; add \"$import_glob\" to it yourself"
+  fi
 fi
-say "registered runtime class gpucr for containerd ${ctr_version:-?} (config version $cfg_version)"
+save_manifest
+
+# The merged config must still load and show the runtime class.
+if dump=$(containerd --config "$cfg" config dump 2>&1); then
+  grep -q 'runtime_type = "io.containerd.gpucr.v2"' <<<"$dump" \
+    || say "WARNING: 'containerd --config $cfg config dump' does not show the gpucr runtime class (is $import_glob imported?)"
+else
+  echo "$dump" >&2
+  die "containerd cannot load $cfg after the merge (above); install/uninstall.sh undoes this install"
+fi
+say "runtime class gpucr registered for containerd $ctr_version (config version $cfg_version, $dropin)"
+say "manifest: $manifest"
 say "Kubernetes: kubectl apply -f $here/kubernetes/runtimeclass.yaml"
-if pgrep -x containerd >/dev/null; then
+if command -v pgrep >/dev/null && pgrep -x containerd >/dev/null; then
   say "restart containerd to load the CRI runtime class (ctr --runtime io.containerd.gpucr.v2 works now)"
 fi

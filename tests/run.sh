@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The test command (README; CI runs it through .ci/run): installs the runtime dependencies, builds the workspace and runs every test,
-# including the end-to-end suite in tests/ (real containerd + runc + CRIU, driven through ctr).
-# Runs as root on a fresh Debian 12 (or newer) clone; needs only apt packages and crates.io.
+# The test command (README; CI runs it through .ci/run): installs the runtime dependencies
+# (install/deps.sh) and gpucr itself (install/install.sh), checks that the install changed no
+# installed package and is idempotent and undoable (tests/node-unchanged.sh), builds the workspace
+# and runs every test, including the end-to-end suite in tests/ (real containerd + runc + CRIU,
+# driven through ctr) against the installed shim in /usr/local/bin.
+# Runs as root (or re-runs itself with sudo) on a fresh Debian 12 (or newer) clone; needs only
+# apt packages and crates.io.
 #
 # Environment:
 #   GPUCR_TEST_RUNTIME  runtime the end-to-end tests drive (default io.containerd.gpucr.v2;
@@ -11,47 +15,66 @@ set -euo pipefail
 
 cd "$(dirname "$0")/.."
 repo=$(pwd)
+# Re-run with sudo when not root (a rustup cargo in the caller's ~/.cargo/bin is still found).
+gpucr_tag="gpucr CI"
+# shellcheck source=install/lib.sh
+. install/lib.sh
+gpucr_as_root "$repo/tests/run.sh" "$@"
+export DEBIAN_FRONTEND=noninteractive
 started=$(date +%s)
 log_dir=$(mktemp -d /tmp/gpucr-ci.XXXXXX)
 step() { printf '\n==== %s (%ss) ====\n' "$*" "$(($(date +%s) - started))"; }
 
-if [ "$(id -u)" != 0 ]; then
-  echo "gpucr CI: must run as root (containerd, runc and CRIU need it)" >&2
-  exit 2
-fi
-
-step "install dependencies"
+step "install dependencies (install/deps.sh: changes no installed package)"
+bash tests/node-unchanged.sh snapshot-packages "$log_dir/node"
 bash install/deps.sh
-export DEBIAN_FRONTEND=noninteractive
 # Build tools for crates with C parts; script(1) (util-linux/bsdutils) for the terminal tests.
-apt-get install -y -qq build-essential pkg-config ca-certificates bsdutils >/dev/null
+gpucr_apt_install_new build-essential pkg-config ca-certificates bsdutils
 
-if ! command -v cargo >/dev/null 2>&1; then
-  if [ -x "$HOME/.cargo/bin/cargo" ]; then
-    export PATH="$HOME/.cargo/bin:$PATH"
-  else
-    step "install cargo from Debian (no cargo on PATH)"
-    apt-get install -y -qq -t trixie cargo rustc >/dev/null 2>&1 \
-      || apt-get install -y -qq cargo rustc >/dev/null
-  fi
+if ! gpucr_find_cargo; then
+  step "install cargo from the release (no cargo on PATH or in ~/.cargo/bin)"
+  gpucr_apt_install_new cargo rustc
 fi
 command -v cargo >/dev/null || { echo "gpucr CI: no cargo available" >&2; exit 2; }
 cargo --version
 rustc --version
+# Under sudo, cargo builds as the user who owns the checkout (target/ and ~/.cargo stay theirs);
+# only the tests, which need root, run as root (offline: everything is fetched by then).
+as_owner=()
+offline=()
+if [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] && [ "$(stat -c %U "$repo")" = "$SUDO_USER" ]; then
+  as_owner=(runuser -u "$SUDO_USER" -- env PATH="$PATH" HOME="$(gpucr_sudo_home)")
+  offline=(--offline)
+fi
 
 step "criu check"
 criu check || echo "gpucr CI: warning: criu check failed; checkpoint tests will fail"
 
+if [ -f /var/lib/gpucr/install-manifest ]; then
+  # The check below compares with the node before gpucr's install: start from one without it.
+  step "remove the previous gpucr install (install/uninstall.sh)"
+  bash install/uninstall.sh
+fi
+step "install gpucr (install/install.sh: binaries, CRIU plugin, hook, containerd runtime class)"
+bash tests/node-unchanged.sh snapshot-config "$log_dir/node"
+bash install/install.sh --no-deps
+
+step "the install leaves the node alone (tests/node-unchanged.sh)"
+# A failure here fails the run at the end; the test suite still runs.
+node_status=0
+bash tests/node-unchanged.sh check "$log_dir/node" 2>&1 | tee "$log_dir/node-unchanged.log" || node_status=1
+
 step "build (release)"
-cargo build --release --workspace
-cargo test --release --workspace --no-run
+"${as_owner[@]}" cargo build --release --workspace
+"${as_owner[@]}" cargo test --release --workspace --no-run
 
 step "test"
-export GPUCR_SHIM_DIR="$repo/target/release"
+# The installed layout: the shim and gpucr-copyin where install.sh put them.
+export GPUCR_SHIM_DIR=/usr/local/bin
 export GPUCR_TEST_RUNTIME="${GPUCR_TEST_RUNTIME:-io.containerd.gpucr.v2}"
 echo "runtime under test: $GPUCR_TEST_RUNTIME; shim dir: $GPUCR_SHIM_DIR"
 set +e
-cargo test --release --workspace --no-fail-fast -- --test-threads="${TEST_THREADS:-2}" 2>&1 \
+cargo test "${offline[@]}" --release --workspace --no-fail-fast -- --test-threads="${TEST_THREADS:-2}" 2>&1 \
   | tee "$log_dir/test.log"
 status=${PIPESTATUS[0]}
 set -e
@@ -64,7 +87,8 @@ passed=$(grep -Eo '[0-9]+ passed' "$log_dir/test.log" | awk '{s+=$1} END {print 
 failed=$(grep -Eo '[0-9]+ failed' "$log_dir/test.log" | awk '{s+=$1} END {print s+0}')
 ignored=$(grep -Eo '[0-9]+ ignored' "$log_dir/test.log" | awk '{s+=$1} END {print s+0}')
 echo "passed: $passed, failed: $failed, ignored: $ignored"
-if [ "$failed" != 0 ] || [ "$status" != 0 ]; then
+[ "$node_status" = 0 ] || echo "node-unchanged: FAILED (see $log_dir/node-unchanged.log)"
+if [ "$failed" != 0 ] || [ "$status" != 0 ] || [ "$node_status" != 0 ]; then
   echo "failed tests:"
   grep -E '^test .* FAILED$' "$log_dir/test.log" | sed 's/^/  /' || true
   echo "gpucr CI: FAILED (exit $status) after $(($(date +%s) - started))s; log: $log_dir/test.log"
