@@ -235,6 +235,13 @@ GPUCR_PLUGIN_CALL_TIMEOUT_S=\${GPUCR_PLUGIN_CALL_TIMEOUT_S:-60}; export GPUCR_PL
 exec "$r/usr/sbin/criu" "\$@"
 EOF
   chmod +x "$BIN/criu"
+  if [ "$DRY" = 1 ] && ! "$BIN/criu" --version >/dev/null 2>&1 && host_criu=$(command -v criu); then
+    # A CPU machine whose C library is older than the carried CRIU's (Debian 12): the host's
+    # own CRIU and runc, without the carried libraries.
+    sed -i -e "s#^exec \"$r/usr/sbin/criu\"#exec \"$host_criu\"#" -e '/^export LD_LIBRARY_PATH/d' "$BIN/criu"
+    DRY_HOST_RUNC=$(command -v runc || true)
+    log "dry run: the carried CRIU does not run here; using $host_criu and ${DRY_HOST_RUNC:-?}"
+  fi
   local b
   for b in containerd ctr containerd-shim-runc-v2; do
     [ -x "$r/usr/bin/$b" ] || die "$b not found in the extracted containerd package"
@@ -242,6 +249,7 @@ EOF
   done
   b=$(first_file "$r"/usr/sbin/runc "$r"/usr/bin/runc)
   [ -n "$b" ] || die "runc not found in the extracted packages"
+  [ -n "${DRY_HOST_RUNC:-}" ] && b=$DRY_HOST_RUNC
   ln -sf "$b" "$BIN/runc"
   b=$(first_file "$r"/bin/busybox "$r"/usr/bin/busybox)
   [ -n "$b" ] || die "busybox not found in the extracted packages"
