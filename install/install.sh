@@ -247,7 +247,7 @@ if dump=$(containerd --config "$cfg" config dump 2>&1); then
     || say "WARNING: 'containerd --config $cfg config dump' does not show the gpucr runtime class (is $import_glob imported?)"
   # CRI refuses to start when its default runtime is not among the runtimes.
   default_rt=$(sed -n "s/^ *default_runtime_name = [\"']\([^\"']*\)[\"'].*/\1/p" <<<"$dump" | head -1)
-  if [ -n "$default_rt" ] && ! grep -qE "\.runtimes\.[\"']?$default_rt[\"']?\]" <<<"$dump"; then
+  if [ -n "$default_rt" ] && ! grep -qE "\.runtimes\.[\"']?${default_rt}[\"']?\]" <<<"$dump"; then
     die "after the merge, CRI's default runtime '$default_rt' is not among its runtimes in $cfg ('containerd config dump'); install/uninstall.sh undoes this install"
   fi
 else
