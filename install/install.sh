@@ -97,7 +97,7 @@ save_manifest() {
   {
     echo "# gpucr install/install.sh: what it installed (install/uninstall.sh removes exactly this)"
     local k
-    for k in "${order[@]}"; do echo "$k${rec[$k]:+ ${rec[$k]}}"; done
+    for k in "${order[@]}"; do [ -n "${rec[$k]+x}" ] && echo "$k${rec[$k]:+ ${rec[$k]}}"; done
   } > "$manifest.new"
   if cmp -s "$manifest.new" "$manifest"; then rm -f "$manifest.new"; else mv -f "$manifest.new" "$manifest"; fi
 }
@@ -149,55 +149,113 @@ put_file "$from/libgpucr_criu_plugin.so" "$criu_plugin_dir/gpucr_cuda_plugin.so"
 # Preloaded by the shim into GPU containers (read-only bind mount); io.gpucr.hook=off per
 # container turns it off, GPUCR_HOOK_LIB in containerd's environment points elsewhere.
 put_file "$from/libgpucr_hook.so" "$hook_dir/libgpucr_hook.so" 0644
-put_file "$here/containerd/gpucr-v$cfg_version.toml" "$dropin" 0644
+if [ "$ctr_major" -ge 2 ]; then
+  put_file "$here/containerd/gpucr-v$cfg_version.toml" "$dropin" 0644
+fi
 
-# --- config.toml imports the drop-in ---------------------------------------------------------
-imports_new="imports = [\"$import_glob\"]"
+# --- the runtime class in containerd's config -------------------------------------------------
+# containerd 2.x merges an imported file into config.toml table by table: the drop-in in conf.d,
+# imported from config.toml. containerd 1.x replaces a whole plugin section with the imported
+# one, so a drop-in would throw away config.toml's CRI settings (sandbox image, runtimes, CNI...)
+# and leave CRI without its runc runtime: there the runtime tables go into config.toml itself,
+# as one marked block at its end.
 make_dir "$cfg_dir"
-if [ ! -f "$cfg" ]; then
-  printf 'version = %s\n%s\n%s\n' "$cfg_version" "$marker" "$imports_new" > "$cfg"
-  record config-created "$cfg" "$(sha256sum "$cfg" | cut -d' ' -f1)"
-  say "created $cfg (version $cfg_version, imports $import_glob)"
-else
-  imports=$(toplevel "$cfg" | grep -E '^[[:space:]]*imports[[:space:]]*=' || true)
-  if [ -z "$imports" ]; then
-    # Top-level keys must precede the first table: put the import first.
-    { echo "$marker"; echo "$imports_new"; cat "$cfg"; } > "$cfg.gpucr-new"
-    cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"   # keeps the file's owner and mode
-    record imports-added "$cfg"
-    say "added to $cfg: $imports_new"
-  elif [[ $imports == *"\"$import_glob\""* ]]; then
-    say "unchanged $cfg (imports $import_glob already)"
-  elif [ "$(printf '%s\n' "$imports" | wc -l)" = 1 ] && [[ $imports =~ ^[[:space:]]*imports[[:space:]]*=[[:space:]]*\[.*\][[:space:]]*$ ]]; then
-    # A one-line array: append our glob; uninstall puts the old line back.
-    if [[ $imports =~ \[[[:space:]]*\] ]]; then
-      replaced="$imports_new"
-    else
-      replaced="${imports%]*}, \"$import_glob\"]"
+if [ "$ctr_major" -lt 2 ]; then
+  if [ -f "$dropin" ]; then
+    if [ -n "${rec["file $dropin"]+x}" ]; then
+      # An earlier install (containerd 2.x then) put it there; on 1.x it would clobber CRI's config.
+      rm -f "$dropin"; unset "rec[file $dropin]"; say "removed $dropin (containerd 1.x: the runtime class goes into $cfg)"
+    elif grep -qs 'conf.d' "$cfg"; then
+      say "WARNING: $cfg imports $dropin (from an earlier gpucr install?): containerd 1.x then replaces config.toml's whole CRI section with it. Remove that file and the imports line."
     fi
-    mkdir -p "$gpucr_state_dir"
-    printf '%s\n' "$imports" > "$gpucr_state_dir/imports-line.orig"
-    printf '%s\n' "$replaced" > "$gpucr_state_dir/imports-line.new"
-    awk -v old="$imports" -v new="$replaced" -v marker="$marker" \
-      '!done && $0 == old {print marker; print new; done = 1; next} {print}' "$cfg" > "$cfg.gpucr-new"
-    cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"
-    record imports-replaced "$cfg"
-    say "changed in $cfg: '$imports' -> '$replaced'"
+  fi
+  # The block: install/containerd/gpucr-v2.toml's tables, and runc's if config.toml has none of its
+  # own (a runtimes table replaces containerd's default list, runc included).
+  block=$(sed -n '/^\[/,$p' "$here/containerd/gpucr-v2.toml")
+  outside=""
+  [ ! -f "$cfg" ] || outside=$(gpucr_strip_block "$cfg")
+  if ! grep -qE '^[[:space:]]*\[plugins\."io\.containerd\.grpc\.v1\.cri"\.containerd\.runtimes\.runc\]' <<<"$outside"; then
+    block=$(printf '%s\n\n%s\n%s' "$block" "# containerd's default runtime, which the gpucr table above would otherwise replace" \
+      '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"')
+  fi
+  block=$(printf '%s\n%s\n%s' "$gpucr_block_begin" "$block" "$gpucr_block_end")
+  if [ ! -f "$cfg" ]; then
+    printf 'version = 2\n\n%s\n' "$block" > "$cfg"
+    record config-created "$cfg" "$(sha256sum "$cfg" | cut -d' ' -f1)"
+    say "created $cfg (version 2, runtime class gpucr)"
+  elif grep -qE '^[[:space:]]*\[plugins\."io\.containerd\.grpc\.v1\.cri"\.containerd\.runtimes\.gpucr\]' <<<"$outside"; then
+    say "NOTE: $cfg defines runtime gpucr itself; left as it is"
   else
-    say "NOTE: $cfg has a multi-line imports array; add \"$import_glob\" to it yourself"
+    current=$(awk -v b="$gpucr_block_begin" -v e="$gpucr_block_end" '$0 == b {on = 1} on {print} $0 == e {on = 0}' "$cfg")
+    if [ "$current" = "$block" ]; then
+      say "unchanged $cfg (runtime class gpucr)"
+    else
+      # Replace an old block (or add one): the file's last lines, after one blank line.
+      { gpucr_strip_block "$cfg"; echo; printf '%s\n' "$block"; } > "$cfg.gpucr-new"
+      cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"   # keeps the file's owner and mode
+      record config-block "$cfg"
+      say "added to $cfg, between '$gpucr_block_begin' and '$gpucr_block_end': runtime gpucr$(grep -q 'runtimes.runc]' <<<"$block" && echo ' and runc (CRI default; config.toml had no runc table)')"
+    fi
+  fi
+else
+  if [ -f "$cfg" ] && grep -qxF "$gpucr_block_begin" "$cfg"; then
+    # An earlier install (containerd 1.x then) put the runtime class into config.toml.
+    gpucr_strip_block "$cfg" > "$cfg.gpucr-new"; cat "$cfg.gpucr-new" > "$cfg"; rm -f "$cfg.gpucr-new"
+    unset "rec[config-block $cfg]"; say "removed the gpucr block from $cfg (containerd 2.x: the drop-in is used)"
+  fi
+  imports_new="imports = [\"$import_glob\"]"
+  if [ ! -f "$cfg" ]; then
+    printf 'version = %s\n%s\n%s\n' "$cfg_version" "$marker" "$imports_new" > "$cfg"
+    record config-created "$cfg" "$(sha256sum "$cfg" | cut -d' ' -f1)"
+    say "created $cfg (version $cfg_version, imports $import_glob)"
+  else
+    imports=$(toplevel "$cfg" | grep -E '^[[:space:]]*imports[[:space:]]*=' || true)
+    if [ -z "$imports" ]; then
+      # Top-level keys must precede the first table: put the import first.
+      { echo "$marker"; echo "$imports_new"; cat "$cfg"; } > "$cfg.gpucr-new"
+      cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"   # keeps the file's owner and mode
+      record imports-added "$cfg"
+      say "added to $cfg: $imports_new"
+    elif [[ $imports == *"\"$import_glob\""* ]]; then
+      say "unchanged $cfg (imports $import_glob already)"
+    elif [ "$(printf '%s\n' "$imports" | wc -l)" = 1 ] && [[ $imports =~ ^[[:space:]]*imports[[:space:]]*=[[:space:]]*\[.*\][[:space:]]*$ ]]; then
+      # A one-line array: append our glob; uninstall puts the old line back.
+      if [[ $imports =~ \[[[:space:]]*\] ]]; then
+        replaced="$imports_new"
+      else
+        replaced="${imports%]*}, \"$import_glob\"]"
+      fi
+      mkdir -p "$gpucr_state_dir"
+      printf '%s\n' "$imports" > "$gpucr_state_dir/imports-line.orig"
+      printf '%s\n' "$replaced" > "$gpucr_state_dir/imports-line.new"
+      awk -v old="$imports" -v new="$replaced" -v marker="$marker" \
+        '!done && $0 == old {print marker; print new; done = 1; next} {print}' "$cfg" > "$cfg.gpucr-new"
+      cat "$cfg.gpucr-new" > "$cfg" && rm -f "$cfg.gpucr-new"
+      record imports-replaced "$cfg"
+      say "changed in $cfg: '$imports' -> '$replaced'"
+    else
+      say "NOTE: $cfg has a multi-line imports array; add \"$import_glob\" to it yourself"
+    fi
   fi
 fi
 save_manifest
 
 # The merged config must still load and show the runtime class.
 if dump=$(containerd --config "$cfg" config dump 2>&1); then
-  grep -q 'runtime_type = "io.containerd.gpucr.v2"' <<<"$dump" \
+  grep -qE "runtime_type = [\"']io.containerd.gpucr.v2" <<<"$dump" \
     || say "WARNING: 'containerd --config $cfg config dump' does not show the gpucr runtime class (is $import_glob imported?)"
+  # CRI refuses to start when its default runtime is not among the runtimes.
+  default_rt=$(sed -n "s/^ *default_runtime_name = [\"']\([^\"']*\)[\"'].*/\1/p" <<<"$dump" | head -1)
+  if [ -n "$default_rt" ] && ! grep -qE "\.runtimes\.[\"']?${default_rt}[\"']?\]" <<<"$dump"; then
+    die "after the merge, CRI's default runtime '$default_rt' is not among its runtimes in $cfg ('containerd config dump'); install/uninstall.sh undoes this install"
+  fi
 else
   echo "$dump" >&2
   die "containerd cannot load $cfg after the merge (above); install/uninstall.sh undoes this install"
 fi
-say "runtime class gpucr registered for containerd $ctr_version (config version $cfg_version, $dropin)"
+if [ "$ctr_major" -ge 2 ]; then where=$dropin; else where="the gpucr block of $cfg"; fi
+say "runtime class gpucr registered for containerd $ctr_version (config version $cfg_version, in $where)"
 say "manifest: $manifest"
 say "Kubernetes: kubectl apply -f $here/kubernetes/runtimeclass.yaml"
 if command -v pgrep >/dev/null && pgrep -x containerd >/dev/null; then

@@ -98,3 +98,17 @@ gpucr_apt_candidate() {
 gpucr_dpkg_version() {
   { dpkg-query -W -f '${db:Status-Abbrev} ${Version}\n' "$1" 2>/dev/null || true; } | awk '$1 ~ /^ii/ {print $2}'
 }
+
+# containerd 1.x: the runtime class is a block at the end of config.toml between these lines.
+gpucr_block_begin="# BEGIN gpucr: added by install/install.sh (install/uninstall.sh removes this block)"
+gpucr_block_end="# END gpucr"
+# Prints config.toml without that block and the one blank line before it.
+gpucr_strip_block() {
+  awk -v b="$gpucr_block_begin" -v e="$gpucr_block_end" '
+    skip { if ($0 == e) skip = 0; next }
+    $0 == b { skip = 1; held = 0; next }
+    held { print ""; held = 0 }
+    $0 == "" { held = 1; next }
+    { print }
+    END { if (held) print "" }' "$1"
+}

@@ -70,6 +70,12 @@ if [ -f "$manifest" ]; then
           say "NOTE: $path: the imports line install.sh changed is gone or changed; left as it is"
         fi
         rm -f "$state/imports-line.orig" "$state/imports-line.new" ;;
+      config-block)
+        if [ -f "$path" ] && grep -qxF "$gpucr_block_begin" "$path"; then
+          gpucr_strip_block "$path" > "$path.gpucr-new"
+          cat "$path.gpucr-new" > "$path" && rm -f "$path.gpucr-new"
+          say "removed the gpucr block (runtime class) from $path"
+        fi ;;
       config-created)
         if [ -f "$path" ] && [ "$(sha256sum "$path" | cut -d' ' -f1)" = "$data" ]; then
           rm -f "$path"; say "removed $path (install.sh created it; unchanged since)"

@@ -10,10 +10,12 @@
 #     3. uninstall.sh removes every file of the manifest and puts /etc/containerd back as it
 #        was before the install; installing again gives the same files and config as the first
 #     4. the config merge (in a scratch GPUCR_DESTDIR, with a fake `containerd --version` 2.x):
-#        v2 config.toml -> v2 drop-in even on 2.x, old tables kept (containerd config dump);
-#        no config on 2.x -> v3 config + v3 drop-in; no config on 1.7 -> v2; v3 config on 1.7
-#        and a version-less (v1) config are refused with nothing installed; `imports = []` is
-#        extended and restored by uninstall.
+#        2.x: v2 config.toml -> v2 drop-in, imported; no config -> v3 config + v3 drop-in;
+#        `imports = []` is extended and restored by uninstall. 1.x (which replaces whole plugin
+#        sections with imported ones): the runtime class goes into config.toml, every CRI setting
+#        there stays (containerd config dump), uninstall restores the file byte for byte; no
+#        config -> a v2 one. A v3 config on 1.x and a version-less (v1) config are refused with
+#        nothing installed.
 # It ends with gpucr installed, as after the first install.
 set -euo pipefail
 export LC_ALL=C   # sort and join must agree
@@ -104,13 +106,14 @@ diff <(without_mtimes < "$dir/state-1") <(without_mtimes < "$dir/state-3") > "$d
 scratch=$(mktemp -d /tmp/gpucr-merge.XXXXXX)
 real_containerd=$(command -v containerd)
 mkdir -p "$scratch/fake2"
-# containerd 2.x as far as install.sh's version check goes; `config dump` of a version-3
-# config (which 1.7 cannot read) shows the files themselves.
-cat > "$scratch/fake2/containerd" <<EOF
+# containerd 2.x as far as install.sh's version check goes. Its `config dump` shows the files
+# themselves: 1.x cannot read version 3 and merges imports differently (containerd 2.1.9's own
+# dump of these merges, checked by hand: config.toml's CRI settings stay, gpucr and runc are there).
+cat > "$scratch/fake2/containerd" <<'EOF'
 #!/bin/sh
-[ "\$1" = --version ] && { echo "containerd github.com/containerd/containerd/v2 v2.1.4 fake"; exit 0; }
-if [ "\$1" = --config ] && grep -q '^version = 3' "\$2"; then cat "\$2" "\$(dirname "\$2")"/conf.d/*.toml; exit 0; fi
-exec "$real_containerd" "\$@"
+[ "$1" = --version ] && { echo "containerd github.com/containerd/containerd/v2 v2.1.4 fake"; exit 0; }
+[ "$1" = --config ] && [ "$3 $4" = "config dump" ] && { cat "$2" "$(dirname "$2")"/conf.d/*.toml; exit 0; }
+echo "fake containerd: $*" >&2; exit 1
 EOF
 chmod +x "$scratch/fake2/containerd"
 debian_v2_cfg='version = 2
@@ -133,16 +136,12 @@ cfg_of() { echo "$scratch/$1/etc/containerd/config.toml"; }
 dropin_of() { echo "$scratch/$1/etc/containerd/conf.d/gpucr.toml"; }
 
 if merge v2on2 "$scratch/fake2:" "$debian_v2_cfg" \
-  && cmp -s "$(dropin_of v2on2)" install/containerd/gpucr-v2.toml; then
-  dump=$("$real_containerd" --config "$(cfg_of v2on2)" config dump 2>&1 || true)
-  if grep -q 'bin_dir = "/usr/lib/cni"' <<<"$dump" && grep -q 'runtime_type = "io.containerd.gpucr.v2"' <<<"$dump" \
-    && grep -q 'path = "/var/lib/containerd/opt"' <<<"$dump"; then
-    ok "merge: version-2 config.toml on containerd 2.x gets the v2 drop-in; config dump keeps the old tables and shows the gpucr runtime"
-  else
-    bad "merge: v2 config on 2.x: containerd config dump lacks the old tables or the gpucr runtime:"; echo "$dump" | head -30
-  fi
+  && cmp -s "$(dropin_of v2on2)" install/containerd/gpucr-v2.toml \
+  && diff <(grep -v -e '^imports = ' -e '^# added by gpucr' "$(cfg_of v2on2)") "$scratch/v2on2.orig" >/dev/null \
+  && grep -qxF "imports = [\"$scratch/v2on2/etc/containerd/conf.d/*.toml\"]" "$(cfg_of v2on2)"; then
+  ok "merge: version-2 config.toml on containerd 2.x gets the v2 drop-in, imported; the rest of config.toml unchanged"
 else
-  bad "merge: v2 config on 2.x: install failed or the drop-in is not gpucr-v2.toml"; cat "$scratch/v2on2.log"
+  bad "merge: v2 config on 2.x"; cat "$scratch/v2on2.log"; cat "$(cfg_of v2on2)"
 fi
 if merge none2 "$scratch/fake2:" - && cmp -s "$(dropin_of none2)" install/containerd/gpucr-v3.toml \
   && grep -q '^version = 3$' "$(cfg_of none2)"; then
@@ -150,12 +149,41 @@ if merge none2 "$scratch/fake2:" - && cmp -s "$(dropin_of none2)" install/contai
 else
   bad "merge: no config on 2.x"; cat "$scratch/none2.log"
 fi
-if merge none17 "" - && cmp -s "$(dropin_of none17)" install/containerd/gpucr-v2.toml \
-  && grep -q '^version = 2$' "$(cfg_of none17)" \
+if merge none17 "" - && [ ! -e "$(dropin_of none17)" ] && grep -q '^version = 2$' "$(cfg_of none17)" \
   && "$real_containerd" --config "$(cfg_of none17)" config dump 2>/dev/null | grep -q 'runtime_type = "io.containerd.gpucr.v2"'; then
-  ok "merge: no config.toml on containerd 1.7: a version-2 config.toml and the v2 drop-in"
+  ok "merge: no config.toml on containerd 1.x: a version-2 config.toml holding the runtime class"
 else
-  bad "merge: no config on 1.7"; cat "$scratch/none17.log"
+  bad "merge: no config on 1.x"; cat "$scratch/none17.log"
+fi
+# containerd 1.x replaces a whole plugin section with an imported one: the runtime class must go
+# into config.toml itself and keep every CRI setting there.
+if [ "$("$real_containerd" --version | awk '{print $3}' | sed 's/^v//; s/\..*//')" = 1 ]; then
+  cri_cfg='version = 2
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "example/pause:9"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = true
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.other]
+      runtime_type = "io.containerd.runc.v2"'
+  for c in debian cri; do
+    if [ $c = debian ]; then text=$debian_v2_cfg; else text=$cri_cfg; fi
+    dump=""
+    merge "v2on17$c" "" "$text" && dump=$("$real_containerd" --config "$(cfg_of "v2on17$c")" config dump 2>&1 || true)
+    want=('runtime_type = "io.containerd.gpucr.v2"' 'containerd.runtimes.runc]')
+    if [ $c = cri ]; then want+=('sandbox_image = "example/pause:9"' 'SystemdCgroup = true' 'containerd.runtimes.other]')
+    else want+=('path = "/var/lib/containerd/opt"' 'bin_dir = "/usr/lib/cni"'); fi
+    missing=""; for w in "${want[@]}"; do grep -qF "$w" <<<"$dump" || missing+=" [$w]"; done
+    if [ -z "$missing" ] && [ ! -e "$(dropin_of "v2on17$c")" ] \
+      && GPUCR_DESTDIR="$scratch/v2on17$c" bash install/uninstall.sh > "$scratch/v2on17$c-un.log" 2>&1 \
+      && cmp -s "$scratch/v2on17$c.orig" "$(cfg_of "v2on17$c")"; then
+      ok "merge: $c version-2 config.toml on containerd 1.x: config dump keeps its settings, adds gpucr (and runc); uninstall restores it byte for byte"
+    else
+      bad "merge: $c v2 config on 1.x: missing in config dump:${missing:- none}, or uninstall did not restore it"; cat "$scratch/v2on17$c.log"
+    fi
+  done
 fi
 if [ "$("$real_containerd" --version | awk '{print $3}' | sed 's/^v//; s/\..*//')" = 1 ]; then
   if ! merge v3on17 "" "version = 3" && [ ! -e "$scratch/v3on17/var/lib/gpucr/install-manifest" ] \
@@ -171,7 +199,7 @@ if ! merge v1 "" '[plugins.cri]' && [ ! -e "$scratch/v1/var/lib/gpucr/install-ma
 else
   bad "merge: v1 config was not refused cleanly"; cat "$scratch/v1.log"
 fi
-if merge empty "" "version = 2
+if merge empty "$scratch/fake2:" "version = 2
 imports = []
 $(printf '%s\n' "$debian_v2_cfg" | sed 1d)" && grep -qF "imports = [\"$scratch/empty/etc/containerd/conf.d/*.toml\"]" "$(cfg_of empty)" \
   && GPUCR_DESTDIR="$scratch/empty" bash install/uninstall.sh > "$scratch/empty-un.log" 2>&1 \
