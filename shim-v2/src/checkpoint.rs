@@ -25,7 +25,7 @@ use crate::{
     error::{Error, IoContext, Result},
     gpu,
     gpu_hook::{self, HookCheckpoint, HookRecord},
-    hook_spec, host,
+    hook_spec, host, layout,
     options::CheckpointRequest,
     process::state::{InitState, Verb},
     runc::CheckpointOpts,
@@ -62,7 +62,7 @@ fn fnv1a64(data: &[u8]) -> String {
     format!("{h:016x}")
 }
 
-/// The image's files (the top level, and the hook's images under `gpu-hook/`).
+/// The image's files (the top level, and the hook's images under `gpu-hook/` or folded).
 fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
     let mut files = BTreeMap::new();
     scan_into(dir, "", &mut files)?;
@@ -81,6 +81,8 @@ fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, FileEntry>) 
         if !md.is_file() || name == MANIFEST {
             continue;
         }
+        // The hook's images by their folded names, in either layout (see `layout`).
+        let name = layout::manifest_name(&name);
         let fnv = if md.len() <= CHECKSUM_LIMIT {
             let data = std::fs::read(e.path()).ctx(|| format!("reading {name}"))?;
             Some(fnv1a64(&data))
@@ -160,7 +162,7 @@ pub fn validate_image(id: &str, image: &Path) -> Result<()> {
     }
     let found = scan(image)?;
     for (name, want) in &manifest.files {
-        match found.get(name) {
+        match found.get(&layout::manifest_name(name)) {
             None => return Err(refuse(format!("file {name} is missing from the image"))),
             Some(got) if got.size != want.size => {
                 return Err(refuse(format!(
@@ -380,7 +382,9 @@ impl Container {
             tracing::warn!(id = %self.id, "no host manifest in the image (restores elsewhere \
                 cannot re-resolve devices): {e}");
         }
-        let written = write_manifest(&self.id, image, !req.exit, dump_ms);
+        // Flat, so that CRI's copy of the image into kubelet's archive keeps every file.
+        let written = layout::fold(image)
+            .and_then(|_| write_manifest(&self.id, image, !req.exit, dump_ms));
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");
         }
@@ -650,13 +654,18 @@ mod tests {
         std::fs::create_dir(dir.path().join("other")).unwrap();
         std::fs::write(dir.path().join("other/x"), b"x").unwrap();
         let files = scan(dir.path()).unwrap();
-        assert!(files.contains_key("gpu-hook/7/data-0.bin"), "{files:?}");
+        assert!(files.contains_key("gpu-hook.7.data-0.bin"), "{files:?}");
         assert!(!files.contains_key("other/x"));
         write_manifest("c", dir.path(), true, 1).unwrap();
         validate_image("c", dir.path()).unwrap();
+        // Folded flat (as a checkpoint leaves it) and unfolded again: the same manifest.
+        layout::fold(dir.path()).unwrap();
+        validate_image("c", dir.path()).unwrap();
+        layout::unfold(dir.path()).unwrap();
+        validate_image("c", dir.path()).unwrap();
         std::fs::write(hook_dir.join("data-0.bin"), vec![1u8; 10]).unwrap();
         let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("gpu-hook/7/data-0.bin"), "{e}");
+        assert!(e.to_string().contains("gpu-hook.7.data-0.bin"), "{e}");
     }
 
     #[test]

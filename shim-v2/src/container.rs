@@ -195,6 +195,12 @@ impl Container {
         let mut gpu_processes = 0;
         let hook;
         if let Some(image) = &cfg.checkpoint {
+            // The hook's images back in their directories (a checkpoint leaves them flat).
+            crate::layout::unfold(image).map_err(|e| Error::Restore {
+                id: cfg.id.clone(),
+                image: image.clone(),
+                msg: format!("cannot lay out the hook's GPU state images: {e}"),
+            })?;
             crate::checkpoint::validate_image(&cfg.id, image)?;
             // Refuse what this host cannot take before anything is created.
             let refuse = |e: Error| Error::Restore {

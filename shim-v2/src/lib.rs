@@ -15,6 +15,7 @@ pub mod gpu_hook;
 pub mod hook_spec;
 pub mod host;
 pub mod io;
+pub mod layout;
 pub mod logger;
 pub mod oom;
 pub mod options;

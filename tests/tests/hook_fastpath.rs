@@ -358,9 +358,10 @@ fn hook_moves_memory_across_checkpoints_and_a_restore() {
             .get("gpucr-hook.json")
             .unwrap_or_else(|| panic!("no gpucr-hook.json in {:?}", files.keys())),
     );
+    // Folded flat (CRI carries no directories): the hook's image of ns pid 1 at the top.
     assert!(
-        files.keys().any(|f| f.starts_with("gpu-hook/1/")),
-        "no gpu-hook/1/ in {:?}",
+        files.keys().any(|f| f.starts_with("gpu-hook.1.")),
+        "no gpu-hook.1.* in {:?}",
         files.keys()
     );
     g.ctd.wait_status(&id, "RUNNING").unwrap();
@@ -431,7 +432,7 @@ fn snapshot_checkpoint_is_written_while_the_task_runs_and_restores() {
         .shim_checkpoint(&id, &dir, &CheckpointFlags::default())
         .unwrap_or_else(|e| panic!("checkpoint: {e}\nshim log: {}", g.shim_log()));
     assert_hook_record(&std::fs::read(dir.join("gpucr-hook.json")).unwrap());
-    assert!(dir.join("gpu-hook/1/manifest.json").is_file());
+    assert!(dir.join("gpu-hook.1.manifest.json").is_file());
     g.ctd.wait_status(&id, "RUNNING").unwrap();
     g.assert_memory_kept(&id, &hash);
     // The free memory asked, both allocations copied into one snapshot on the device,
@@ -545,15 +546,17 @@ fn damaged_hook_image_is_refused_before_anything_is_created() {
     g.assert_memory_kept(&id, &hash);
     g.ctd.remove_container(&id).unwrap();
 
-    // One byte of the largest data file of the hook's image flipped.
-    let hook_dir = dir.join("gpu-hook/1");
-    let data = std::fs::read_dir(&hook_dir)
+    // One byte of the largest data file of the hook's image (folded flat) flipped.
+    let data = std::fs::read_dir(&dir)
         .unwrap()
         .flatten()
         .map(|e| e.path())
-        .filter(|p| !p.to_string_lossy().ends_with(".json"))
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("gpu-hook.1.data-")
+        })
         .max_by_key(|p| std::fs::metadata(p).unwrap().len())
-        .unwrap_or_else(|| panic!("no data file in {}", hook_dir.display()));
+        .unwrap_or_else(|| panic!("no data file of the hook in {}", dir.display()));
     let mut bytes = std::fs::read(&data).unwrap();
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x5a;
@@ -608,4 +611,47 @@ fn hook_off_injects_nothing() {
     assert_eq!(g.count(&id, "cuMemCreate"), 0);
     eprintln!("hook off: ran in {:?}", started.elapsed());
     g.ctd.remove_container(&id).unwrap();
+}
+
+/// CRI's copy of a checkpoint into kubelet's archive (containerd's
+/// `writeCriuCheckpointData`): every entry of the CRIU tar, directories included, is
+/// created as one file in one directory. A hooked checkpoint must come through that whole
+/// and restore with its device memory.
+#[test]
+fn a_hooked_checkpoint_survives_cris_copy_and_restores() {
+    let Some(g) = start() else {
+        return;
+    };
+    let id = unique_id("hook-cri");
+    let (_pid, hash) = g.run_app(&id, "on");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let reference = format!("docker.io/gpucr/hook-cri-{id}:1");
+    g.ctd
+        .container_checkpoint(&id, &reference, true)
+        .expect("ctr container checkpoint --task --rw");
+    let files = g.ctd.checkpoint_files(&reference).unwrap();
+    let dir = g.ctd.dir().join("cri-copy");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, data) in &files {
+        if name.is_empty() || name == "." {
+            continue;
+        }
+        // os.Create(filepath.Join(dir, name)): no directory is made.
+        std::fs::write(dir.join(name), data)
+            .unwrap_or_else(|e| panic!("CRI's copy fails at {name}: {e}"));
+    }
+    g.ctd.remove_container(&id).unwrap();
+    g.ctd
+        .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
+        .unwrap_or_else(|e| panic!("restore of CRI's copy: {e}\nshim log: {}", g.shim_log()));
+    g.ctd.wait_status(&id, "RUNNING").unwrap();
+    g.assert_memory_kept(&id, &hash);
+    assert!(
+        g.shim_log()
+            .contains("restored process's device memory copied in"),
+        "{}",
+        g.shim_log()
+    );
+    g.ctd.remove_container(&id).unwrap();
+    let _ = g.ctd.remove_image(&reference);
 }
