@@ -145,7 +145,11 @@ fn shares_pid_namespace(bundle: &Path) -> bool {
         .unwrap_or_default();
     !namespaces.iter().any(|ns| {
         ns.get("type").and_then(|t| t.as_str()) == Some("pid")
-            && ns.get("path").and_then(|p| p.as_str()).unwrap_or("").is_empty()
+            && ns
+                .get("path")
+                .and_then(|p| p.as_str())
+                .unwrap_or("")
+                .is_empty()
     })
 }
 
@@ -196,7 +200,12 @@ fn exec_process_json(spec: &[u8], terminal: bool) -> Vec<u8> {
     let Some(process) = v.as_object_mut() else {
         return spec.to_vec();
     };
-    if process.get("terminal").and_then(|t| t.as_bool()).unwrap_or(false) == terminal {
+    if process
+        .get("terminal")
+        .and_then(|t| t.as_bool())
+        .unwrap_or(false)
+        == terminal
+    {
         return spec.to_vec();
     }
     process.insert("terminal".into(), serde_json::Value::Bool(terminal));

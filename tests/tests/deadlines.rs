@@ -47,7 +47,9 @@ impl Hanging {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
         let mut path = vec![dir.path().to_path_buf(), shim_dir().expect("shim dir")];
-        path.extend(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()));
+        path.extend(std::env::split_paths(
+            &std::env::var_os("PATH").unwrap_or_default(),
+        ));
         let path = std::env::join_paths(path).unwrap();
         let ctd = Containerd::start_with_env(&[("PATH", path)]).expect("containerd");
         let image = ctd.import_busybox().expect("busybox image");
@@ -148,9 +150,14 @@ fn a_hung_checkpoint_ends_at_its_deadline_and_the_task_runs_on() {
 
     let out = ck.join().unwrap().expect("ctr ran");
     let took = t0.elapsed();
-    assert!(!out.success(), "the hung checkpoint must fail: {}", out.stdout);
     assert!(
-        out.stderr.contains(&format!("did not finish within {DEADLINE_S}s"))
+        !out.success(),
+        "the hung checkpoint must fail: {}",
+        out.stdout
+    );
+    assert!(
+        out.stderr
+            .contains(&format!("did not finish within {DEADLINE_S}s"))
             && out.stderr.contains("left running"),
         "the error names the step and its deadline: {}",
         out.stderr
@@ -216,7 +223,8 @@ fn a_hung_restore_ends_at_its_deadline_and_leaves_nothing() {
         .unwrap();
     assert!(!out.success(), "the hung restore must fail: {}", out.stdout);
     assert!(
-        out.stderr.contains(&format!("did not finish within {DEADLINE_S}s")),
+        out.stderr
+            .contains(&format!("did not finish within {DEADLINE_S}s")),
         "the error names the step and its deadline: {}",
         out.stderr
     );
@@ -225,7 +233,10 @@ fn a_hung_restore_ends_at_its_deadline_and_leaves_nothing() {
     // The restore failed in Start: containerd keeps the task CREATED (nothing runs) until
     // its client deletes it, as with runc's shim; runc has nothing of it.
     let status = h.ctd.task_status(&id).unwrap();
-    assert!(matches!(status.as_deref(), None | Some("CREATED")), "{status:?}");
+    assert!(
+        matches!(status.as_deref(), None | Some("CREATED")),
+        "{status:?}"
+    );
     assert_runc_knows_nothing(&h.ctd, &id);
     let _ = h.ctd.ctr(&["task", "rm", "-f", &id]);
     let _ = h.ctd.ctr(&["container", "rm", &id]);

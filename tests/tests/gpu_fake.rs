@@ -218,7 +218,9 @@ fn leave_running_checkpoint_quiesces_around_the_dump() {
     // The installed CUDA plugin was loaded by the same CRIU and left the pid to the shim.
     let dump = criu_log(&g.ctd, &id, "dump.log");
     assert!(
-        dump.contains(&format!("CUDA process {pid} was quiesced by the gpucr shim")),
+        dump.contains(&format!(
+            "CUDA process {pid} was quiesced by the gpucr shim"
+        )),
         "the plugin recognised the shim's process: {dump}"
     );
 
