@@ -58,6 +58,23 @@ fn exec_with_a_terminal_and_no_stdin() {
         assert!(got.contains("/dev/pts/"), "{runtime}: exec tty: {got:?}");
         assert_eq!(task.wait("tty").unwrap(), 0, "{runtime}");
         task.delete_exec("tty").unwrap();
+        if runtime == GPUCR_RUNTIME {
+            // gpucr only: a spec whose terminal disagrees with the request's (the terminal
+            // set on the IO only) gets the terminal the IO was wired for; it failed with
+            // runc's "cannot use console socket if runc will not detach or allocate tty"
+            // (the runc shim refuses it the same way).
+            let spec = task.process_spec(&["tty"], false).unwrap();
+            task.exec("tty2", spec, &io).unwrap();
+            task.start("tty2")
+                .unwrap_or_else(|e| panic!("{runtime}: terminal on the IO only: {e}"));
+            let got = read_until(&mut out, Duration::from_secs(10), |b| {
+                String::from_utf8_lossy(b).contains('\n')
+            });
+            let got = String::from_utf8_lossy(&got);
+            assert!(got.contains("/dev/pts/"), "{runtime}: exec tty: {got:?}");
+            assert_eq!(task.wait("tty2").unwrap(), 0);
+            task.delete_exec("tty2").unwrap();
+        }
         ctd.remove_container(&id).unwrap();
     }
 }
