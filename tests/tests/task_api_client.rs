@@ -366,29 +366,17 @@ fn init_killed_while_an_exec_is_starting() {
 }
 
 /// `containerd.linux.runc.CreateOptions` with `shim_cgroup` (field 9), as containerd 1.7's
-/// Go client encodes `WithShimCgroup(path)` for a non-runc runtime; runc's own `Options`
-/// for the runc shim.
-fn shim_cgroup_options(runtime: &str, cgroup: &str) -> Any {
-    if runtime == GPUCR_RUNTIME {
-        let mut value = Vec::new();
-        {
-            let mut os = CodedOutputStream::vec(&mut value);
-            os.write_string(9, cgroup).unwrap();
-            os.flush().unwrap();
-        }
-        return Any {
-            type_url: "containerd.linux.runc.CreateOptions".into(),
-            value,
-            ..Default::default()
-        };
+/// Go client encodes `WithShimCgroup(path)` for a non-runc runtime.
+fn legacy_create_options(cgroup: &str) -> Any {
+    let mut value = Vec::new();
+    {
+        let mut os = CodedOutputStream::vec(&mut value);
+        os.write_string(9, cgroup).unwrap();
+        os.flush().unwrap();
     }
-    let o = containerd_shim_protos::shim::oci::Options {
-        shim_cgroup: cgroup.into(),
-        ..Default::default()
-    };
     Any {
-        type_url: "containerd.runc.v1.Options".into(),
-        value: o.write_to_bytes().unwrap(),
+        type_url: "containerd.linux.runc.CreateOptions".into(),
+        value,
         ..Default::default()
     }
 }
@@ -458,14 +446,10 @@ fn the_shim_moves_into_its_cgroup() {
             }
         }
         let bundle = sleep_bundle(&ctd, &id);
-        let options = shim_cgroup_options(runtime, &format!("/{cgroup}"));
-        let binary = if runtime == GPUCR_RUNTIME {
-            gpucr_tests::shim_dir()
-                .unwrap()
-                .join("containerd-shim-gpucr-v2")
-        } else {
-            "containerd-shim-runc-v2".into() // unused: see above
-        };
+        let options = legacy_create_options(&format!("/{cgroup}"));
+        let binary = gpucr_tests::shim_dir()
+            .unwrap()
+            .join("containerd-shim-gpucr-v2");
         let stdin = if on_start {
             options.write_to_bytes().unwrap()
         } else {
