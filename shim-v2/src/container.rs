@@ -12,7 +12,7 @@ use std::{
 };
 
 use containerd_shim_protos::{api::Mount, protobuf::well_known_types::any::Any};
-use tokio::sync::Mutex;
+use tokio::sync::{watch, Mutex};
 
 use crate::{
     deadline::Deadlines,
@@ -69,11 +69,88 @@ pub struct Container {
     pub init_pid: AtomicU32,
     /// Exec processes by exec id. A std mutex: never held across an await.
     pub execs: std::sync::Mutex<HashMap<String, Arc<ExecProcess>>>,
+    /// Exec starts in progress and running execs, which the init's exit waits for.
+    pub execs_live: ExecsLive,
+    /// The spec has no PID namespace of its own (host PID namespace, or one joined by
+    /// path): the init's exit leaves its processes running, so the shim kills them.
+    pub kill_all_on_exit: bool,
     /// containerd's unpacked copy of the checkpoint being restored: removed in the
     /// background after the restore, and gone (or its removal waited for) by Delete's end:
     /// removing 17 GB just written to a disk took seconds on the H200 (writeback), and the
     /// shim exits next.
     pub unpacked: std::sync::Mutex<Option<UnpackedCheckpoint>>,
+}
+
+/// What the init's exit waits for, as containerd's runc shim (`runningExecs`,
+/// `containerInitExit`, issue 10589): every exec whose start began before the shim saw the
+/// init exit has either failed to start or had its exit reported before the init's exit is
+/// reported, and no exec starts after it.
+#[derive(Debug, Default)]
+pub struct ExecsLive(watch::Sender<Live>);
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Live {
+    init_reaped: bool,
+    /// Execs starting or running (exit not reported yet).
+    execs: usize,
+}
+
+impl ExecsLive {
+    /// The reaper saw the init exit: from now on no exec starts.
+    pub fn init_reaped(&self) {
+        self.0.send_modify(|l| l.init_reaped = true);
+    }
+
+    /// An exec's start begins; refused once the init exited.
+    fn starting(&self, id: &str) -> Result<()> {
+        let mut refused = false;
+        self.0.send_if_modified(|l| {
+            refused = l.init_reaped;
+            if !refused {
+                l.execs += 1;
+            }
+            !refused
+        });
+        if refused {
+            return Err(Error::InitExited { id: id.to_string() });
+        }
+        Ok(())
+    }
+
+    /// An exec failed to start, or its exit was reported.
+    pub fn done(&self) {
+        self.0.send_modify(|l| l.execs = l.execs.saturating_sub(1));
+    }
+
+    /// Waits until no exec is starting or running.
+    pub async fn none(&self) {
+        let mut rx = self.0.subscribe();
+        // The sender lives in the container, which the caller holds.
+        let _ = rx.wait_for(|l| l.execs == 0).await;
+    }
+}
+
+/// Whether the init's exit leaves processes of the container running: its spec has no PID
+/// namespace of its own (`oci.WithHostNamespace(PIDNamespace)`, or one joined by path), as
+/// containerd's runc shim decides it (`ShouldKillAllOnExit`; unreadable spec: kill).
+fn shares_pid_namespace(bundle: &Path) -> bool {
+    let spec = std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let Some(spec) = spec else { return true };
+    let namespaces = spec
+        .pointer("/linux/namespaces")
+        .and_then(|n| n.as_array())
+        .cloned()
+        .unwrap_or_default();
+    !namespaces.iter().any(|ns| {
+        ns.get("type").and_then(|t| t.as_str()) == Some("pid")
+            && ns
+                .get("path")
+                .and_then(|p| p.as_str())
+                .unwrap_or("")
+                .is_empty()
+    })
 }
 
 /// Everything Create needs.
@@ -110,6 +187,29 @@ async fn record_exit(
         at,
     };
     cell.set(info).then_some(info)
+}
+
+/// The exec's OCI `Process` JSON with `terminal` as the request asked: runc takes the tty
+/// from the process file (`--tty` does not override it), and the shim wires the console
+/// socket or pipes by the request; a spec that disagrees (a client that sets the terminal
+/// only on its IO) made `runc exec` refuse the console socket.
+fn exec_process_json(spec: &[u8], terminal: bool) -> Vec<u8> {
+    let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(spec) else {
+        return spec.to_vec(); // not JSON: runc says what is wrong with it
+    };
+    let Some(process) = v.as_object_mut() else {
+        return spec.to_vec();
+    };
+    if process
+        .get("terminal")
+        .and_then(|t| t.as_bool())
+        .unwrap_or(false)
+        == terminal
+    {
+        return spec.to_vec();
+    }
+    process.insert("terminal".into(), serde_json::Value::Bool(terminal));
+    serde_json::to_vec(&v).unwrap_or_else(|_| spec.to_vec())
 }
 
 /// The annotations of the bundle's OCI spec (empty when it cannot be read).
@@ -297,6 +397,7 @@ impl Container {
         };
         let pid = init.pid;
         let observed = std::sync::Mutex::new(init.state);
+        let kill_all_on_exit = shares_pid_namespace(&cfg.bundle);
         Ok(Container {
             id: cfg.id,
             bundle: cfg.bundle,
@@ -316,6 +417,8 @@ impl Container {
             init_exit: ExitCell::default(),
             init_pid: AtomicU32::new(pid),
             execs: std::sync::Mutex::new(HashMap::new()),
+            execs_live: ExecsLive::default(),
+            kill_all_on_exit,
             unpacked: std::sync::Mutex::new(None),
         })
     }
@@ -657,8 +760,24 @@ impl Container {
         Ok(exit)
     }
 
-    /// The reaper saw the init process exit.
+    /// The reaper saw the init process exit (`execs_live.init_reaped()` was called as it
+    /// was routed). Its exit is recorded once nothing of the container can outlive it: the
+    /// rest of a shared PID namespace is killed (its orphans would hold the output pipes
+    /// open for OUTPUT_DRAIN), and execs starting or running report first.
     pub async fn init_exited(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
+        if self.kill_all_on_exit {
+            match self.runc.kill(&self.id, libc::SIGKILL as u32, true).await {
+                Ok(()) => tracing::info!(id = %self.id,
+                    "init exited in a shared PID namespace: killed the container's other processes"),
+                Err(e) => tracing::warn!(id = %self.id,
+                    "init exited in a shared PID namespace; killing the rest failed: {e}"),
+            }
+        }
+        self.execs_live.none().await;
+        self.record_init_exit(status, at).await
+    }
+
+    async fn record_init_exit(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
         let mut init = self.init.lock().await;
         match init.state.next(Verb::Exit) {
             Ok(next) => self.set_state(&mut init, next),
@@ -696,7 +815,18 @@ impl Container {
         Ok(())
     }
 
+    /// Starts an exec, unless the init exited already; the init's exit waits until this
+    /// start failed or the exec's exit was reported (`ExecsLive`).
     pub async fn start_exec(&self, p: &ExecProcess, on_pid: impl FnOnce(u32)) -> Result<u32> {
+        self.execs_live.starting(&self.id)?;
+        let started = self.run_exec(p, on_pid).await;
+        if started.is_err() {
+            self.execs_live.done();
+        }
+        started
+    }
+
+    async fn run_exec(&self, p: &ExecProcess, on_pid: impl FnOnce(u32)) -> Result<u32> {
         let mut inner = p.inner.lock().await;
         let next = inner.state.next(Verb::Start).map_err(|e| Error::Runtime {
             op: "exec start",
@@ -704,8 +834,11 @@ impl Container {
         })?;
         let process_json = self.bundle.join(format!("exec-{}.json", p.exec_id));
         let pid_file = self.bundle.join(format!("exec-{}.pid", p.exec_id));
-        std::fs::write(&process_json, &p.spec.value)
-            .ctx(|| format!("writing {}", process_json.display()))?;
+        std::fs::write(
+            &process_json,
+            exec_process_json(&p.spec.value, p.stdio.terminal),
+        )
+        .ctx(|| format!("writing {}", process_json.display()))?;
         let res = async {
             let (child, pending) =
                 PendingIo::prepare(&p.stdio, self.io_owner(), &self.runc.spawner)?;
@@ -713,6 +846,7 @@ impl Container {
                 process_json: &process_json,
                 pid_file: &pid_file,
                 console_socket: pending.console_socket(),
+                tty: p.stdio.terminal,
             };
             self.runc.exec(&self.id, opts, child).await?;
             let io = pending.finish().await?;

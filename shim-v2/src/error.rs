@@ -56,6 +56,22 @@ pub enum Error {
     Decode { what: &'static str, msg: String },
     #[error("operation not supported: {0}")]
     Unsupported(String),
+    #[error(
+        "moving the shim (pid {pid}) into cgroup {cgroup}, the ShimCgroup option of the task's \
+         Create: {msg}; create that cgroup (in every hierarchy) or leave ShimCgroup out"
+    )]
+    ShimCgroup {
+        pid: u32,
+        cgroup: String,
+        msg: String,
+    },
+    /// An exec started after the shim saw the init process exit (containerd's runc shim
+    /// answers the same, FailedPrecondition).
+    #[error(
+        "container {id}: its init process is not running (it exited); no process can be \
+         executed in it, start a new task"
+    )]
+    InitExited { id: String },
 }
 
 fn criu_log_hint(log: &Option<PathBuf>) -> String {
@@ -83,7 +99,9 @@ impl Error {
         match self {
             Error::ContainerNotFound(_) | Error::ProcessNotFound { .. } => Code::NOT_FOUND,
             Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
-            Error::State(_) => Code::FAILED_PRECONDITION,
+            Error::State(_) | Error::InitExited { .. } | Error::ShimCgroup { .. } => {
+                Code::FAILED_PRECONDITION
+            }
             Error::InvalidArgument(_) | Error::Decode { .. } => Code::INVALID_ARGUMENT,
             Error::Unsupported(_) => Code::UNIMPLEMENTED,
             Error::TimedOut { .. } => Code::DEADLINE_EXCEEDED,

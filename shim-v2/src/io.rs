@@ -6,7 +6,7 @@ use std::{
     fs::File,
     os::{
         fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-        unix::{net::UnixListener, process::CommandExt},
+        unix::{fs::OpenOptionsExt, net::UnixListener, process::CommandExt},
     },
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -122,6 +122,10 @@ pub struct IoOwner<'a> {
 #[derive(Default)]
 pub struct ProcessIo {
     stdin: Option<JoinHandle<()>>,
+    /// The shim's own writer on the stdin fifo: while it is open the stdin copy never sees
+    /// EOF (a client may close and reopen the fifo); CloseIO drops it, so the copy forwards
+    /// everything clients wrote and ends at their last close, as containerd's runc shim.
+    stdin_writer: Option<File>,
     outputs: Vec<JoinHandle<()>>,
     /// The pty master, kept for resizes.
     console: Option<File>,
@@ -157,12 +161,18 @@ fn fifo_writer(path: &Path) -> Result<pipe::Sender> {
         .ctx(|| format!("opening stdio fifo {}", path.display()))
 }
 
-fn fifo_reader(path: &Path) -> Result<pipe::Receiver> {
-    // Read-write so there is always a writer: stdin ends by CloseIO, not by a client's reopen.
-    pipe::OpenOptions::new()
-        .read_write(true)
-        .open_receiver(path)
-        .ctx(|| format!("opening stdin fifo {}", path.display()))
+/// The stdin fifo opened for the copy, and the shim's own writer on it (see
+/// `ProcessIo::stdin_writer`): stdin ends by CloseIO, not by a client's reopen.
+fn fifo_reader(path: &Path) -> Result<(pipe::Receiver, File)> {
+    let what = || format!("opening stdin fifo {}", path.display());
+    let reader = pipe::OpenOptions::new().open_receiver(path).ctx(what)?;
+    // Non-blocking: the reader above is open, so this cannot wait for one.
+    let writer = File::options()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .ctx(what)?;
+    Ok((reader, writer))
 }
 
 fn copy_task<R, W>(mut r: R, mut w: W, what: &'static str) -> JoinHandle<()>
@@ -219,9 +229,10 @@ impl PendingIo {
             IoTarget::Null => Stdio::null(),
             IoTarget::Fifo(path) => {
                 let (r, w) = pipe(&owner)?;
-                let src = fifo_reader(&path)?;
+                let (src, hold) = fifo_reader(&path)?;
                 let dst = pipe::Sender::from_owned_fd(w).ctx(|| "stdin pipe".into())?;
                 io.stdin = Some(copy_task(src, dst, "stdin"));
+                io.stdin_writer = Some(hold);
                 Stdio::from(r)
             }
             other => return Err(Error::invalid(format!("stdin cannot be {other:?}"))),
@@ -285,9 +296,10 @@ impl PendingIo {
             .map_err(|e| Error::io("console socket", std::io::Error::other(e)))??;
         let spec = &self.spec;
         if let IoTarget::Fifo(path) = IoTarget::parse(&spec.stdin)? {
-            let src = fifo_reader(&path)?;
+            let (src, hold) = fifo_reader(&path)?;
             let dst = tokio::fs::File::from_std(master.try_clone().ctx(|| "dup pty".into())?);
             self.io.stdin = Some(copy_task(src, dst, "console stdin"));
+            self.io.stdin_writer = Some(hold);
         }
         match IoTarget::parse(&spec.stdout)? {
             IoTarget::Fifo(path) => {
@@ -391,11 +403,10 @@ fn start_logging_binary(
 }
 
 impl ProcessIo {
-    /// Closes the process's stdin (containerd's CloseIO).
+    /// Containerd's CloseIO: the process's stdin closes once what clients wrote to the fifo
+    /// is forwarded and they closed it (cancelling the copy lost bytes still in the fifo).
     pub fn close_stdin(&mut self) {
-        if let Some(h) = self.stdin.take() {
-            h.abort();
-        }
+        self.stdin_writer = None;
     }
 
     /// Waits (bounded) until stdout and stderr are drained, so exit events follow the output.
@@ -428,6 +439,9 @@ impl ProcessIo {
     /// Stops every copier (process deleted).
     pub fn shutdown(&mut self) {
         self.close_stdin();
+        if let Some(h) = self.stdin.take() {
+            h.abort();
+        }
         for h in self.outputs.drain(..) {
             h.abort();
         }

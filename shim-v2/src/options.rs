@@ -52,6 +52,7 @@ const RUNC_OPTIONS: [&str; 2] = [
 ];
 const LEGACY_CREATE_OPTIONS: &str = "containerd.linux.runc.CreateOptions";
 const CRI_OPTIONS: &str = "runtimeoptions.v1.Options";
+const LEGACY_CHECKPOINT_OPTIONS: &str = "containerd.linux.runc.CheckpointOptions";
 
 /// The keys of a runtime options TOML that gpucr honours (runc's Go field names).
 const TOML_KEYS: [&str; 10] = [
@@ -251,10 +252,8 @@ impl CheckpointRequest {
             return Ok(CheckpointRequest::default());
         };
         match type_name(any) {
-            // Both types number their fields alike (exit=1 … work_path=9).
             "containerd.runc.v1.CheckpointOptions"
-            | "containerd.runc.v1.options.CheckpointOptions"
-            | "containerd.linux.runc.CheckpointOptions" => {
+            | "containerd.runc.v1.options.CheckpointOptions" => {
                 let o = oci::CheckpointOptions::parse_from_bytes(&any.value)?;
                 Ok(CheckpointRequest {
                     exit: o.exit,
@@ -266,6 +265,24 @@ impl CheckpointRequest {
                     cgroups_mode: o.cgroups_mode,
                     image_path: o.image_path,
                     work_path: o.work_path,
+                })
+            }
+            // containerd 1.7's Go client (`WithCheckpointImagePath`, `WithCheckpointExit`)
+            // for a runtime not named io.containerd.runc.*. Same fields as runc's type but
+            // work_path = 8 and image_path = 9 swapped; unset fields mean what runc's shim
+            // takes them to mean (no exit: the task keeps running).
+            LEGACY_CHECKPOINT_OPTIONS => {
+                let f = Fields::decode(&any.value)?;
+                Ok(CheckpointRequest {
+                    exit: f.bool(1),
+                    open_tcp: f.bool(2),
+                    external_unix_sockets: f.bool(3),
+                    terminal: f.bool(4),
+                    file_locks: f.bool(5),
+                    empty_namespaces: f.all_bytes(6).map(lossy).collect(),
+                    cgroups_mode: f.string(7),
+                    work_path: f.string(8),
+                    image_path: f.string(9),
                 })
             }
             other => Err(Error::invalid(format!(
@@ -334,15 +351,12 @@ impl Fields {
     }
 
     fn string(&self, n: u32) -> String {
-        self.0
-            .iter()
-            .rev()
-            .find_map(|(f, v)| match v {
-                FieldValue::Bytes(b) if *f == n => Some(String::from_utf8_lossy(b).into_owned()),
-                _ => None,
-            })
-            .unwrap_or_default()
+        self.all_bytes(n).last().map(lossy).unwrap_or_default()
     }
+}
+
+fn lossy(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
 }
 
 #[cfg(test)]
@@ -422,21 +436,54 @@ mod tests {
             work_path: "/w".into(),
             ..Default::default()
         };
-        for t in [
+        let c = CheckpointRequest::decode(Some(&any(
             "containerd.runc.v1.CheckpointOptions",
-            "containerd.linux.runc.CheckpointOptions",
-        ] {
-            let c = CheckpointRequest::decode(Some(&any(t, o.write_to_bytes().unwrap()))).unwrap();
-            assert!(c.exit);
-            assert_eq!(c.image_path, "/i");
-            assert_eq!(c.work_path, "/w");
-        }
+            o.write_to_bytes().unwrap(),
+        )))
+        .unwrap();
+        assert!(c.exit);
+        assert_eq!(c.image_path, "/i");
+        assert_eq!(c.work_path, "/w");
         assert_eq!(
             CheckpointRequest::decode(None).unwrap(),
             CheckpointRequest::default()
         );
         let e = CheckpointRequest::decode(Some(&any("x.Unknown", vec![]))).unwrap_err();
         assert!(e.to_string().contains("not understood"));
+    }
+
+    /// What containerd 1.7's Go client sends for `WithCheckpointImagePath(dir)` to a runtime
+    /// not named io.containerd.runc.* (issue 23.3): only field 9 is set.
+    #[test]
+    fn legacy_linux_checkpoint_options_keep_the_task_running() {
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_string(9, "/ckpt").unwrap();
+            os.flush().unwrap();
+        }
+        let t = "type.googleapis.com/containerd.linux.runc.CheckpointOptions";
+        let c = CheckpointRequest::decode(Some(&any(t, buf))).unwrap();
+        assert_eq!(
+            c,
+            CheckpointRequest {
+                image_path: "/ckpt".into(),
+                ..Default::default()
+            }
+        );
+        let mut buf = Vec::new();
+        {
+            let mut os = CodedOutputStream::vec(&mut buf);
+            os.write_bool(1, true).unwrap();
+            os.write_bool(5, true).unwrap();
+            os.write_string(6, "network").unwrap();
+            os.write_string(8, "/work").unwrap();
+            os.flush().unwrap();
+        }
+        let c = CheckpointRequest::decode(Some(&any(t, buf))).unwrap();
+        assert!(c.exit && c.file_locks);
+        assert_eq!(c.empty_namespaces, vec!["network".to_string()]);
+        assert_eq!((c.work_path.as_str(), c.image_path.as_str()), ("/work", ""));
     }
 
     fn cri_options(toml_body: &str) -> Any {

@@ -152,6 +152,9 @@ pub struct ExecOpts<'a> {
     pub process_json: &'a Path,
     pub pid_file: &'a Path,
     pub console_socket: Option<&'a Path>,
+    /// A terminal: `--tty` with the console socket (runc 1.1 reads the tty from the process
+    /// file, which the shim sets to match; runtimes that read the flag get it too).
+    pub tty: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -329,6 +332,9 @@ impl Runc {
             "--pid-file".into(),
             path_arg(o.pid_file),
         ];
+        if o.tty {
+            a.push("--tty".into());
+        }
         if let Some(s) = o.console_socket {
             a.extend(["--console-socket".into(), path_arg(s)]);
         }

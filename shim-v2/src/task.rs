@@ -137,9 +137,20 @@ async fn process_exits(inner: Arc<Inner>, mut exits: UnboundedReceiver<Exit>) {
     while let Some(exit) = exits.recv().await {
         let owner = inner.pids.lock().expect("pids lock").route(exit);
         if let Some(owner) = owner {
-            tokio::spawn(handle_exit(inner.clone(), owner, exit));
+            dispatch_exit(&inner, owner, exit);
         }
     }
+}
+
+/// Hands a routed exit to its handler. An init's exit is marked on its container first, in
+/// reaping order: an exec Start that comes after it is refused (see `ExecsLive`).
+fn dispatch_exit(inner: &Arc<Inner>, owner: Owner, exit: Exit) {
+    if let Owner::Init(cid) = &owner {
+        if let Ok(c) = inner.container(cid) {
+            c.execs_live.init_reaped();
+        }
+    }
+    tokio::spawn(handle_exit(inner.clone(), owner, exit));
 }
 
 async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
@@ -157,7 +168,18 @@ async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
             Err(_) => None,
         },
     };
-    let Some(info) = info else { return };
+    // A started exec counts until its exit is out (or known to be lost): the init's exit
+    // waits for it.
+    let is_exec = exec_id.is_some();
+    let exec_done = || {
+        if is_exec {
+            c.execs_live.done();
+        }
+    };
+    let Some(info) = info else {
+        exec_done();
+        return;
+    };
     tracing::info!(id = %cid, exec_id = exec_id.as_deref().unwrap_or(""), pid = exit.pid,
         status = info.status, "process exited");
     publish(
@@ -172,6 +194,7 @@ async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
         },
     )
     .await;
+    exec_done();
 }
 
 impl Inner {
@@ -195,13 +218,31 @@ impl Inner {
             .expect("pids lock")
             .register(pid, owner.clone());
         if let Some(exit) = early {
-            tokio::spawn(handle_exit(self.clone(), owner, exit));
+            dispatch_exit(self, owner, exit);
         }
     }
 
     async fn send<E: containerd_shim::event::Event + 'static>(&self, e: E) {
         publish(self.events.as_ref(), e).await
     }
+}
+
+/// Moves this shim into `cgroup` (the `ShimCgroup` option, as the Go client's
+/// `WithShimCgroup` sends it with the task's Create): a client that names the cgroup only
+/// there (containerd 1.7's legacy `CreateOptions`) still finds the shim in it. Idempotent
+/// when `start` moved the shim already.
+fn move_into_shim_cgroup(id: &str, cgroup: &str) -> Result<()> {
+    if cgroup.is_empty() {
+        return Ok(());
+    }
+    let pid = std::process::id();
+    containerd_shim::cgroup::add_task_to_cgroup(cgroup, pid).map_err(|e| Error::ShimCgroup {
+        pid,
+        cgroup: cgroup.to_string(),
+        msg: e.to_string(),
+    })?;
+    tracing::info!(id, pid, cgroup, "shim moved into its cgroup (ShimCgroup)");
+    Ok(())
 }
 
 impl TaskService {
@@ -211,6 +252,7 @@ impl TaskService {
             return Err(Error::AlreadyExists(req.id));
         }
         let opts = RuntimeOptions::decode(req.options.as_ref())?;
+        move_into_shim_cgroup(&req.id, &opts.shim_cgroup)?;
         let bundle = PathBuf::from(&req.bundle);
         crate::service::write_bundle_options(&bundle, &opts)?;
         let non_empty = |s: &str| Some(PathBuf::from(s)).filter(|p| !p.as_os_str().is_empty());

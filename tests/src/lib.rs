@@ -24,6 +24,7 @@ pub mod poll;
 pub mod procfs;
 pub mod shim_client;
 pub mod task;
+pub mod task_rpc;
 
 pub use command::{Cmd, Output};
 pub use containerd::{runtime_under_test, shim_dir, Containerd, GPUCR_RUNTIME, RUNC_RUNTIME};
