@@ -191,7 +191,7 @@ impl CriClient {
 }
 
 /// A pod as kubelet describes it: metadata, the kubelet labels, a log directory, the host's
-/// network (no CNI here), the container's own pid namespace, a cgroupfs parent.
+/// network (`hostNetwork: true`: no CNI here), the container's own pid namespace, a cgroupfs parent.
 pub fn pod_config(
     name: &str,
     uid: &str,
@@ -214,7 +214,8 @@ pub fn pod_config(
             namespace: namespace.into(),
             attempt: 0,
         }),
-        hostname: name.into(),
+        // kubelet leaves the hostname empty for a pod on the host's network (the host's UTS).
+        hostname: String::new(),
         log_directory: log_dir.to_string_lossy().into_owned(),
         labels,
         annotations: HashMap::from([("kubernetes.io/config.source".to_owned(), "api".to_owned())]),
@@ -461,6 +462,9 @@ pub fn cri_config(dir: &Path, handlers: &[Handler], pause: &str, certs_d: &Path)
 
 [plugins."io.containerd.cri.v1.runtime"]
   enable_cdi = false
+  # The pause container's -998 (kubelet's) needs CAP_SYS_RESOURCE, which a test machine that
+  # is itself a container may lack: no lower than containerd's own.
+  restrict_oom_score_adj = true
   [plugins."io.containerd.cri.v1.runtime".cni]
     bin_dirs = ["{cni}/bin"]
     conf_dir = "{cni}/net.d"

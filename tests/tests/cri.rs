@@ -22,14 +22,15 @@ use gpucr_tests::{counter_args, poll_until, Cmd, Containerd, Daemon, StartOption
 const CHECKPOINTCTL_DEFAULT: &str = "/opt/gpucr-test/bin/checkpointctl";
 
 /// A containerd 2.x with CRI, a registry with busybox and the pause image, a CRI client.
+/// Fields drop in order after the pods are removed: the daemon goes before the registry and
+/// the scratch directory (its CNI and hosts.toml directories) it watches.
 struct CriNode {
     client: CriClient,
+    ctd: Containerd,
     registry: Registry,
     busybox: String,
-    scratch: tempfile::TempDir,
     pods: Vec<String>,
-    // Last: dropped after the pods are removed.
-    ctd: Containerd,
+    scratch: tempfile::TempDir,
 }
 
 impl CriNode {
@@ -68,11 +69,11 @@ impl CriNode {
         .expect("CRI service");
         Self {
             client: client.unwrap(),
+            ctd,
             registry,
             busybox,
-            scratch,
             pods: Vec::new(),
-            ctd,
+            scratch,
         }
     }
 
