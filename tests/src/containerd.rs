@@ -27,9 +27,8 @@ pub const GPUCR_RUNTIME: &str = "io.containerd.gpucr.v2";
 /// The shim binary containerd looks for (in PATH) for [`GPUCR_RUNTIME`].
 pub const GPUCR_SHIM_BINARY: &str = "containerd-shim-gpucr-v2";
 
-/// Plugins a test daemon does not need; CRI in particular would want CNI and take seconds.
-const DISABLED_PLUGINS_1: &[&str] = &[
-    "io.containerd.grpc.v1.cri",
+/// Plugins a test daemon does not need, in containerd 1.7 and 2.x alike.
+const DISABLED_PLUGINS: &[&str] = &[
     "io.containerd.internal.v1.tracing",
     "io.containerd.tracing.processor.v1.otlp",
     "io.containerd.nri.v1.nri",
@@ -39,19 +38,10 @@ const DISABLED_PLUGINS_1: &[&str] = &[
     "io.containerd.snapshotter.v1.zfs",
     "io.containerd.snapshotter.v1.blockfile",
 ];
-
-/// The same for containerd 2.x, whose CRI is three plugins (config version 3 ids).
-const DISABLED_PLUGINS_2: &[&str] = &[
-    "io.containerd.internal.v1.tracing",
-    "io.containerd.tracing.processor.v1.otlp",
-    "io.containerd.nri.v1.nri",
-    "io.containerd.snapshotter.v1.aufs",
-    "io.containerd.snapshotter.v1.btrfs",
-    "io.containerd.snapshotter.v1.devmapper",
-    "io.containerd.snapshotter.v1.zfs",
-    "io.containerd.snapshotter.v1.blockfile",
-    "io.containerd.snapshotter.v1.erofs",
-];
+/// containerd 1.7's CRI plugin: always disabled (it would want CNI and take seconds).
+const CRI_PLUGINS_1: &[&str] = &["io.containerd.grpc.v1.cri"];
+/// Only in containerd 2.x.
+const DISABLED_PLUGINS_2: &[&str] = &["io.containerd.snapshotter.v1.erofs"];
 /// containerd 2.x's CRI plugins, disabled unless a test asks for CRI.
 const CRI_PLUGINS_2: &[&str] = &[
     "io.containerd.grpc.v1.cri",
@@ -532,13 +522,13 @@ fn toml_list(items: &[&str]) -> String {
 }
 
 fn config_toml_v2(root: &Path, address: &Path) -> String {
-    let disabled = toml_list(DISABLED_PLUGINS_1);
+    let disabled = toml_list(&[DISABLED_PLUGINS, CRI_PLUGINS_1].concat());
     format!("version = 2\n{}", config_common(root, address, &disabled))
 }
 
 /// containerd 2.x: config version 3; CRI's plugins disabled unless `cri` has their tables.
 fn config_toml_v3(root: &Path, address: &Path, cri: Option<&str>) -> String {
-    let mut disabled = DISABLED_PLUGINS_2.to_vec();
+    let mut disabled = [DISABLED_PLUGINS, DISABLED_PLUGINS_2].concat();
     if cri.is_none() {
         disabled.extend_from_slice(CRI_PLUGINS_2);
     }

@@ -381,8 +381,10 @@ pub fn push_checkpoint_image(
     tag: &str,
 ) -> Result<String> {
     let layer = Blob::new(MEDIA_LAYER_TAR, archive.to_vec());
+    // The platform of the images the harness builds (busybox's).
+    let base: serde_json::Value = serde_json::from_slice(&BusyboxImage::get()?.config.bytes)?;
     let config = json!({
-        "architecture": go_arch(),
+        "architecture": base["architecture"],
         "os": "linux",
         "config": {},
         "rootfs": { "type": "layers", "diff_ids": [sha256_digest(archive)] },
@@ -398,14 +400,6 @@ pub fn push_checkpoint_image(
     let manifest = Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?);
     registry.push(repository, tag, &manifest, &[&config, &layer]);
     Ok(registry.reference(repository, tag))
-}
-
-fn go_arch() -> &'static str {
-    match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
-    }
 }
 
 /// A CRI runtime handler of the test config.
