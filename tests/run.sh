@@ -3,9 +3,9 @@
 # (install/deps.sh) and gpucr itself (install/install.sh), checks that the install changed no
 # installed package and is idempotent and undoable (tests/node-unchanged.sh), builds the workspace
 # and runs every test, including the end-to-end suite in tests/ (real containerd + runc + CRIU,
-# driven through ctr) against the installed shim in /usr/local/bin; then the checkpoint,
-# lifecycle and io suites again, and the CRI suite, against containerd 2.x unpacked beside the
-# node's 1.7 (tests/containerd2.sh).
+# driven through ctr) against the installed shim in /usr/local/bin, and the CRI suite against
+# containerd 2.x unpacked beside the node's 1.7 (tests/containerd2.sh); then the checkpoint,
+# lifecycle and io suites again against that 2.x.
 # Runs as root (or re-runs itself with sudo) on a fresh Debian 12 (or newer) clone; needs only
 # apt packages and crates.io.
 #
