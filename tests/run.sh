@@ -3,7 +3,9 @@
 # (install/deps.sh) and gpucr itself (install/install.sh), checks that the install changed no
 # installed package and is idempotent and undoable (tests/node-unchanged.sh), builds the workspace
 # and runs every test, including the end-to-end suite in tests/ (real containerd + runc + CRIU,
-# driven through ctr) against the installed shim in /usr/local/bin.
+# driven through ctr) against the installed shim in /usr/local/bin, and the CRI suite against
+# containerd 2.x unpacked beside the node's 1.7 (tests/containerd2.sh); then the checkpoint,
+# lifecycle and io suites again against that 2.x.
 # Runs as root (or re-runs itself with sudo) on a fresh Debian 12 (or newer) clone; needs only
 # apt packages and crates.io.
 #
@@ -68,6 +70,15 @@ step "build (release)"
 "${as_owner[@]}" cargo build --release --workspace
 "${as_owner[@]}" cargo test --release --workspace --no-run
 
+step "containerd 2.x and checkpointctl beside the node's (tests/containerd2.sh: node untouched)"
+# Debian sid's containerd 2.x and trixie's checkpointctl, unpacked into /opt/gpucr-test; the CRI
+# suite runs against that 2.x, and the ctr suites run a second time against it below.
+if bash tests/containerd2.sh 2>&1 | tee "$log_dir/containerd2.log"; then
+  eval "$(grep -E '^GPUCR_(TEST_CONTAINERD2|CHECKPOINTCTL)=' "$log_dir/containerd2.log" | sed 's/^/export /')"
+else
+  echo "gpucr CI: tests/containerd2.sh failed: the CRI suite and the containerd 2.x pass fail"
+fi
+
 step "test"
 # The installed layout: the shim and gpucr-copyin where install.sh put them.
 export GPUCR_SHIM_DIR=/usr/local/bin
@@ -79,6 +90,20 @@ cargo test "${offline[@]}" --release --workspace --no-fail-fast -- --test-thread
 status=${PIPESTATUS[0]}
 set -e
 
+step "the ctr suites again against containerd 2.x (checkpoint, lifecycle, io)"
+# About 2 minutes on 2 cores; the CRI suite (tests/tests/cri.rs) ran above, on 2.x by itself.
+set +e
+c2_status=0
+if [ -n "${GPUCR_TEST_CONTAINERD2:-}" ]; then
+  GPUCR_TEST_CONTAINERD=$GPUCR_TEST_CONTAINERD2 cargo test "${offline[@]}" --release -p gpucr-tests \
+    --no-fail-fast --test checkpoint --test lifecycle --test io \
+    -- --test-threads="${TEST_THREADS:-2}" 2>&1 | tee "$log_dir/test-containerd2.log"
+  c2_status=${PIPESTATUS[0]}
+else
+  c2_status=1
+fi
+set -e
+
 step "summary"
 echo "runtime under test: $GPUCR_TEST_RUNTIME"
 grep -E '^\s+Running |^test result:' "$log_dir/test.log" \
@@ -88,9 +113,13 @@ failed=$(grep -Eo '[0-9]+ failed' "$log_dir/test.log" | awk '{s+=$1} END {print 
 ignored=$(grep -Eo '[0-9]+ ignored' "$log_dir/test.log" | awk '{s+=$1} END {print s+0}')
 echo "passed: $passed, failed: $failed, ignored: $ignored"
 [ "$node_status" = 0 ] || echo "node-unchanged: FAILED (see $log_dir/node-unchanged.log)"
-if [ "$failed" != 0 ] || [ "$status" != 0 ] || [ "$node_status" != 0 ]; then
+c2_passed=$(grep -Eo '[0-9]+ passed' "$log_dir/test-containerd2.log" 2>/dev/null | awk '{s+=$1} END {print s+0}')
+c2_failed=$(grep -Eo '[0-9]+ failed' "$log_dir/test-containerd2.log" 2>/dev/null | awk '{s+=$1} END {print s+0}')
+echo "containerd 2.x pass: passed: $c2_passed, failed: $c2_failed (log: $log_dir/test-containerd2.log)"
+if [ "$failed" != 0 ] || [ "$status" != 0 ] || [ "$node_status" != 0 ] || [ "$c2_status" != 0 ]; then
   echo "failed tests:"
   grep -E '^test .* FAILED$' "$log_dir/test.log" | sed 's/^/  /' || true
+  grep -E '^test .* FAILED$' "$log_dir/test-containerd2.log" 2>/dev/null | sed 's/^/  (containerd 2.x) /' || true
   echo "gpucr CI: FAILED (exit $status) after $(($(date +%s) - started))s; log: $log_dir/test.log"
   exit 1
 fi

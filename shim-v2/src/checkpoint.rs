@@ -194,15 +194,65 @@ pub(crate) async fn give_back_blocking(h: HookCheckpoint) -> Result<()> {
 }
 
 impl Container {
+    /// CRIU's work directory (its `dump.log` and `stats-dump`): the client's, else the
+    /// runtime options', else where containerd's CRI archives them from, so that
+    /// `checkpointctl show/inspect` reads a kubelet checkpoint archive. CRI passes a work path
+    /// only to io.containerd.runc.v2 and, for other runtimes, archives what is where that
+    /// path would have pointed (internal/cri/server/container_checkpoint_linux.go):
+    /// - 2.1.9, 2.2.5 and later, 2.3.2 and later: `<cri root>/containers/<id>/ctrd-checkpoint`,
+    ///   which CRI creates before the checkpoint and tars afterwards: CRIU writes there.
+    /// - 2.1.0–2.1.8, 2.2.0–2.2.4, 2.3.0–2.3.1: CRI copies `stats-dump` (its checkpoint fails
+    ///   without it) and `dump.log` from `<cri root>/containers/<id>/` after the checkpoint;
+    ///   that directory is CRI's own, so CRIU writes into `<bundle>/criu-work` and links to
+    ///   the two files go there (the copy follows them).
+    ///
+    /// The container's CRI directory is found from the spec CRI wrote: its `/etc/hostname`
+    /// (or hosts, resolv.conf) mount comes from `<cri root>/sandboxes/<sandbox id>/`, and the
+    /// directory holds CRI's `status` file. Outside CRI (ctr, nerdctl): `<bundle>/criu-work`,
+    /// kept after the checkpoint.
     fn work_dir(&self, req: &CheckpointRequest) -> PathBuf {
-        if !req.work_path.is_empty() {
-            PathBuf::from(&req.work_path)
-        } else if !self.opts.criu_work_path.is_empty() {
-            PathBuf::from(&self.opts.criu_work_path)
-        } else {
-            // Kept after the checkpoint: CRI and nerdctl look for dump.log and stats-dump.
-            self.bundle.join("criu-work")
+        /// `<cri root>/containers/<id>` when the bundle's spec was written by CRI.
+        fn cri_container_dir(bundle: &Path, id: &str) -> Option<PathBuf> {
+            let spec = std::fs::read(bundle.join("config.json")).ok()?;
+            let spec: serde_json::Value = serde_json::from_slice(&spec).ok()?;
+            let sandbox = spec["annotations"]["io.kubernetes.cri.sandbox-id"].as_str()?;
+            let from_sandbox = spec["mounts"].as_array()?.iter().find_map(|m| {
+                let dest = m["destination"].as_str()?;
+                if !["/etc/hostname", "/etc/hosts", "/etc/resolv.conf"].contains(&dest) {
+                    return None;
+                }
+                let dir = Path::new(m["source"].as_str()?).parent()?;
+                let sandboxes = dir.parent()?;
+                (dir.file_name()? == sandbox && sandboxes.file_name()? == "sandboxes")
+                    .then(|| sandboxes.parent().map(Path::to_path_buf))
+                    .flatten()
+            })?;
+            let dir = from_sandbox.join("containers").join(id);
+            dir.join("status").is_file().then_some(dir)
         }
+
+        if !req.work_path.is_empty() {
+            return PathBuf::from(&req.work_path);
+        }
+        if !self.opts.criu_work_path.is_empty() {
+            return PathBuf::from(&self.opts.criu_work_path);
+        }
+        let own = self.bundle.join("criu-work");
+        let Some(cri) = cri_container_dir(&self.bundle, &self.id) else {
+            return own;
+        };
+        let archived = cri.join("ctrd-checkpoint");
+        if archived.is_dir() {
+            return archived;
+        }
+        for name in ["stats-dump", "dump.log"] {
+            let link = cri.join(name);
+            let _ = std::fs::remove_file(&link);
+            if let Err(e) = std::os::unix::fs::symlink(own.join(name), &link) {
+                tracing::warn!(id = %self.id, "linking {} for CRI: {e}", link.display());
+            }
+        }
+        own
     }
 
     /// Checkpoints the task into `image`. On failure the task is left running (resumed if

@@ -1,7 +1,13 @@
 //! A private containerd daemon per test, torn down (with every shim and container it started)
 //! on drop.
+//!
+//! The daemon binary is the node's `containerd` (1.7 on the test machines), or the one named by
+//! `GPUCR_TEST_CONTAINERD` (tests/containerd2.sh unpacks containerd 2.x beside it), or a test's
+//! own choice ([`StartOptions::daemon`]); the `ctr` next to it drives it, and the config matches
+//! its major version (version 2 for 1.x, version 3 for 2.x). CRI is disabled unless a test asks
+//! for it ([`StartOptions::cri`], 2.x only).
 
-use std::ffi::OsStr;
+use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,9 +27,8 @@ pub const GPUCR_RUNTIME: &str = "io.containerd.gpucr.v2";
 /// The shim binary containerd looks for (in PATH) for [`GPUCR_RUNTIME`].
 pub const GPUCR_SHIM_BINARY: &str = "containerd-shim-gpucr-v2";
 
-/// Plugins a test daemon does not need; CRI in particular would want CNI and take seconds.
+/// Plugins a test daemon does not need, in containerd 1.7 and 2.x alike.
 const DISABLED_PLUGINS: &[&str] = &[
-    "io.containerd.grpc.v1.cri",
     "io.containerd.internal.v1.tracing",
     "io.containerd.tracing.processor.v1.otlp",
     "io.containerd.nri.v1.nri",
@@ -33,6 +38,113 @@ const DISABLED_PLUGINS: &[&str] = &[
     "io.containerd.snapshotter.v1.zfs",
     "io.containerd.snapshotter.v1.blockfile",
 ];
+/// containerd 1.7's CRI plugin: always disabled (it would want CNI and take seconds).
+const CRI_PLUGINS_1: &[&str] = &["io.containerd.grpc.v1.cri"];
+/// Only in containerd 2.x.
+const DISABLED_PLUGINS_2: &[&str] = &["io.containerd.snapshotter.v1.erofs"];
+/// containerd 2.x's CRI plugins, disabled unless a test asks for CRI.
+const CRI_PLUGINS_2: &[&str] = &[
+    "io.containerd.grpc.v1.cri",
+    "io.containerd.cri.v1.images",
+    "io.containerd.cri.v1.runtime",
+];
+
+/// Where tests/containerd2.sh unpacks containerd 2.x.
+pub const CONTAINERD2_DEFAULT: &str = "/opt/gpucr-test/containerd2/usr/bin/containerd";
+
+/// A containerd binary, the `ctr` that goes with it, and its version.
+#[derive(Debug, Clone)]
+pub struct Daemon {
+    pub containerd: PathBuf,
+    pub ctr: PathBuf,
+    /// What `containerd --version` says, e.g. `2.1.9+unknown`.
+    pub version: String,
+    pub major: u32,
+}
+
+impl Daemon {
+    /// The daemon the tests run by default: `GPUCR_TEST_CONTAINERD`, else `containerd` in PATH.
+    pub fn under_test() -> Result<Self> {
+        match std::env::var_os("GPUCR_TEST_CONTAINERD").filter(|s| !s.is_empty()) {
+            Some(path) => Self::at(Path::new(&path)),
+            None => Self::at(Path::new("containerd")),
+        }
+    }
+
+    /// containerd 2.x for the CRI tests: `GPUCR_TEST_CONTAINERD2`, else where
+    /// tests/containerd2.sh puts it; an error saying how to get it when it is not there.
+    pub fn containerd2() -> Result<Self> {
+        let path = std::env::var_os("GPUCR_TEST_CONTAINERD2")
+            .filter(|s| !s.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(CONTAINERD2_DEFAULT));
+        if !path.is_file() {
+            return Err(HarnessError::Unexpected(format!(
+                "no containerd 2.x at {}: run tests/containerd2.sh (or set GPUCR_TEST_CONTAINERD2)",
+                path.display()
+            )));
+        }
+        let daemon = Self::at(&path)?;
+        if daemon.major < 2 {
+            return Err(HarnessError::Unexpected(format!(
+                "{} is containerd {}, not 2.x",
+                path.display(),
+                daemon.version
+            )));
+        }
+        Ok(daemon)
+    }
+
+    /// The daemon at `containerd` (a path, or a name looked up in PATH); its `ctr` is the one
+    /// in the same directory when there is one.
+    pub fn at(containerd: &Path) -> Result<Self> {
+        let out = Cmd::new(containerd).arg("--version").run_ok()?;
+        // "containerd github.com/containerd/containerd/v2 2.1.9+unknown" (1.7: "... v1.7.24 <rev>")
+        let version = out
+            .stdout
+            .split_whitespace()
+            .nth(2)
+            .map(|v| v.trim_start_matches('v').to_owned())
+            .ok_or_else(|| {
+                HarnessError::Unexpected(format!("containerd --version: {}", out.stdout))
+            })?;
+        let major = version
+            .split('.')
+            .next()
+            .and_then(|m| m.parse().ok())
+            .ok_or_else(|| HarnessError::Unexpected(format!("containerd version {version}")))?;
+        let sibling = containerd.parent().map(|d| d.join("ctr"));
+        let ctr = match sibling {
+            Some(ctr) if containerd.components().count() > 1 && ctr.is_file() => ctr,
+            _ => PathBuf::from("ctr"),
+        };
+        Ok(Self {
+            containerd: containerd.to_path_buf(),
+            ctr,
+            version,
+            major,
+        })
+    }
+
+    /// The directory of the daemon's own binaries (its runc shim), when it is not in PATH.
+    fn bin_dir(&self) -> Option<PathBuf> {
+        (self.containerd.components().count() > 1)
+            .then(|| self.containerd.parent().map(Path::to_path_buf))
+            .flatten()
+    }
+}
+
+/// How [`Containerd::start_opts`] starts a daemon.
+#[derive(Debug, Default)]
+pub struct StartOptions {
+    /// The daemon binary; [`Daemon::under_test`] when `None`.
+    pub daemon: Option<Daemon>,
+    /// Extra environment for the daemon, which its shims (and their runc, CRIU) inherit.
+    pub env: Vec<(OsString, OsString)>,
+    /// Enables CRI (containerd 2.x): TOML appended to the config, e.g. the CRI plugins'
+    /// runtime and registry tables.
+    pub cri: Option<String>,
+}
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 const CLEANUP_TIMEOUT: Duration = Duration::from_secs(15);
@@ -70,6 +182,7 @@ pub struct Containerd {
     namespace: String,
     log_path: PathBuf,
     runtime: String,
+    daemon: Daemon,
 }
 
 impl Containerd {
@@ -81,7 +194,28 @@ impl Containerd {
     /// [`Containerd::start`] with extra environment for the daemon, which its shims (and the
     /// runc and CRIU they run) inherit.
     pub fn start_with_env<K: AsRef<OsStr>, V: AsRef<OsStr>>(env: &[(K, V)]) -> Result<Self> {
+        Self::start_opts(StartOptions {
+            env: env
+                .iter()
+                .map(|(k, v)| (k.as_ref().to_owned(), v.as_ref().to_owned()))
+                .collect(),
+            ..StartOptions::default()
+        })
+    }
+
+    /// Starts a daemon as `opts` say and waits until it answers.
+    pub fn start_opts(opts: StartOptions) -> Result<Self> {
         static SEQUENCE: AtomicU32 = AtomicU32::new(0);
+        let daemon = match opts.daemon {
+            Some(d) => d,
+            None => Daemon::under_test()?,
+        };
+        if opts.cri.is_some() && daemon.major < 2 {
+            return Err(HarnessError::Unexpected(format!(
+                "CRI tests need containerd 2.x, not {}",
+                daemon.version
+            )));
+        }
         let runtime = runtime_under_test();
         let shim_dir = match shim_dir() {
             Ok(dir) => Some(dir),
@@ -99,7 +233,11 @@ impl Containerd {
         let namespace = format!("gpucr-{}-{sequence}", std::process::id());
 
         let config_path = root.join("config.toml");
-        fs::write(&config_path, config_toml(&root, &address))
+        let config = match daemon.major {
+            0 | 1 => config_toml_v2(&root, &address),
+            _ => config_toml_v3(&root, &address, opts.cri.as_deref()),
+        };
+        fs::write(&config_path, config)
             .map_err(HarnessError::io("write containerd config", &config_path))?;
         let log = fs::File::create(&log_path)
             .map_err(HarnessError::io("create containerd log", &log_path))?;
@@ -108,31 +246,28 @@ impl Containerd {
             .map_err(HarnessError::io("dup containerd log", &log_path))?;
 
         let path = std::env::var_os("PATH").unwrap_or_default();
-        let path = match &shim_dir {
-            Some(shim_dir) => {
-                let mut dirs = vec![shim_dir.clone()];
-                dirs.extend(std::env::split_paths(&path));
-                std::env::join_paths(dirs).expect("PATH entries have no ':'")
-            }
-            None => path,
-        };
+        // gpucr's shim first, then the daemon's own binaries (2.x's runc shim), then PATH.
+        let mut dirs: Vec<PathBuf> = shim_dir.iter().cloned().collect();
+        dirs.extend(daemon.bin_dir());
+        dirs.extend(std::env::split_paths(&path));
+        let path = std::env::join_paths(dirs).expect("PATH entries have no ':'");
         // containerd unpacks checkpoints it restores into its temp dir (ctrd-checkpoint*):
         // one of the daemon's own, so a test can see what is left there.
         let tmp = root.join("tmp");
         fs::create_dir(&tmp).map_err(HarnessError::io("create containerd's TMPDIR", &tmp))?;
-        let child = Command::new("containerd")
+        let child = Command::new(&daemon.containerd)
             .arg("--config")
             .arg(&config_path)
             .env("PATH", path)
             .env("TMPDIR", &tmp)
             .env_remove("XDG_RUNTIME_DIR")
-            .envs(env.iter().map(|(k, v)| (k.as_ref(), v.as_ref())))
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log_err)
             .spawn()
             .map_err(|source| HarnessError::Spawn {
-                command: "containerd".into(),
+                command: daemon.containerd.display().to_string(),
                 source,
             })?;
         let containerd = Self {
@@ -143,6 +278,7 @@ impl Containerd {
             namespace,
             log_path,
             runtime,
+            daemon,
         };
         containerd.wait_ready()?;
         Ok(containerd)
@@ -178,6 +314,16 @@ impl Containerd {
     /// The containerd namespace this daemon's tests use (unique per daemon).
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// The daemon binary this test runs, its version and its `ctr`.
+    pub fn daemon(&self) -> &Daemon {
+        &self.daemon
+    }
+
+    /// containerd's major version (1 or 2).
+    pub fn major(&self) -> u32 {
+        self.daemon.major
     }
 
     /// The runtime the tests pass to `ctr --runtime`.
@@ -252,7 +398,7 @@ impl Containerd {
 
     /// `ctr -a <address> -n <namespace>`, ready for arguments.
     pub fn ctr_cmd(&self) -> Cmd {
-        Cmd::new("ctr")
+        Cmd::new(&self.daemon.ctr)
             .arg("-a")
             .arg(&self.address)
             .arg("-n")
@@ -367,15 +513,32 @@ impl Drop for Containerd {
     }
 }
 
-fn config_toml(root: &Path, address: &Path) -> String {
-    let disabled = DISABLED_PLUGINS
+fn toml_list(items: &[&str]) -> String {
+    items
         .iter()
         .map(|p| format!("{p:?}"))
         .collect::<Vec<_>>()
-        .join(", ");
+        .join(", ")
+}
+
+fn config_toml_v2(root: &Path, address: &Path) -> String {
+    let disabled = toml_list(&[DISABLED_PLUGINS, CRI_PLUGINS_1].concat());
+    format!("version = 2\n{}", config_common(root, address, &disabled))
+}
+
+/// containerd 2.x: config version 3; CRI's plugins disabled unless `cri` has their tables.
+fn config_toml_v3(root: &Path, address: &Path, cri: Option<&str>) -> String {
+    let mut disabled = [DISABLED_PLUGINS, DISABLED_PLUGINS_2].concat();
+    if cri.is_none() {
+        disabled.extend_from_slice(CRI_PLUGINS_2);
+    }
+    let common = config_common(root, address, &toml_list(&disabled));
+    format!("version = 3\n{common}\n{}\n", cri.unwrap_or_default())
+}
+
+fn config_common(root: &Path, address: &Path, disabled: &str) -> String {
     format!(
-        r#"version = 2
-root = "{root}"
+        r#"root = "{root}"
 state = "{state}"
 disabled_plugins = [{disabled}]
 

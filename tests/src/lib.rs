@@ -6,6 +6,8 @@
 //!   directory of `containerd-shim-gpucr-v2` first in its PATH, and cleans everything up on
 //!   drop, printing the daemon's log tail when the test panicked.
 //! - [`image`] packs a busybox rootfs, and containerd checkpoint images, as OCI layouts.
+//! - [`cri`] makes kubelet's CRI calls to a containerd 2.x, pulling from a loopback
+//!   [`registry`].
 //! - [`task`] and [`checkpoint`] wrap `ctr` for the tests; [`command::Cmd`] runs anything with
 //!   a timeout; [`poll::poll_until`] waits for conditions.
 //!
@@ -16,18 +18,22 @@
 pub mod checkpoint;
 pub mod command;
 pub mod containerd;
+pub mod cri;
 pub mod error;
 pub mod fake_cuda;
 pub mod image;
 pub mod installed;
 pub mod poll;
 pub mod procfs;
+pub mod registry;
 pub mod shim_client;
 pub mod task;
 pub mod task_rpc;
 
 pub use command::{Cmd, Output};
-pub use containerd::{runtime_under_test, shim_dir, Containerd, GPUCR_RUNTIME, RUNC_RUNTIME};
+pub use containerd::{
+    runtime_under_test, shim_dir, Containerd, Daemon, StartOptions, GPUCR_RUNTIME, RUNC_RUNTIME,
+};
 pub use error::{HarnessError, Result};
 pub use poll::poll_until;
 pub use task::{counter_args, COUNTER_FILE, COUNTER_SCRIPT};

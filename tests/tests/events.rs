@@ -14,7 +14,7 @@ struct EventStream(Child);
 
 impl EventStream {
     fn start(ctd: &Containerd) -> Self {
-        let child = Command::new("ctr")
+        let child = Command::new(&ctd.daemon().ctr)
             .arg("-a")
             .arg(ctd.address())
             .args(["-n", ctd.namespace(), "events"])
