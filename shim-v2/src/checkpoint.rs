@@ -433,8 +433,8 @@ impl Container {
                 cannot re-resolve devices): {e}");
         }
         // Flat, so that CRI's copy of the image into kubelet's archive keeps every file.
-        let written = layout::fold(image)
-            .and_then(|_| write_manifest(&self.id, image, !req.exit, dump_ms));
+        let written =
+            layout::fold(image).and_then(|_| write_manifest(&self.id, image, !req.exit, dump_ms));
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");
         }

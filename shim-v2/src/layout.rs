@@ -101,16 +101,31 @@ mod tests {
 
     #[test]
     fn names_fold_and_unfold() {
-        assert_eq!(folded_name("7", "manifest.json"), "gpu-hook.7.manifest.json");
+        assert_eq!(
+            folded_name("7", "manifest.json"),
+            "gpu-hook.7.manifest.json"
+        );
         assert_eq!(
             unfolded_name("gpu-hook.7.data-000.bin"),
             Some(("7", "data-000.bin"))
         );
-        for other in ["gpu-hook.json", "gpu-hook.x.a", "gpu-hook.7.", "pages-1.img", "gpu-hook"] {
+        for other in [
+            "gpu-hook.json",
+            "gpu-hook.x.a",
+            "gpu-hook.7.",
+            "pages-1.img",
+            "gpu-hook",
+        ] {
             assert_eq!(unfolded_name(other), None, "{other}");
         }
-        assert_eq!(manifest_name("gpu-hook/7/data-0.bin"), "gpu-hook.7.data-0.bin");
-        assert_eq!(manifest_name("gpu-hook.7.data-0.bin"), "gpu-hook.7.data-0.bin");
+        assert_eq!(
+            manifest_name("gpu-hook/7/data-0.bin"),
+            "gpu-hook.7.data-0.bin"
+        );
+        assert_eq!(
+            manifest_name("gpu-hook.7.data-0.bin"),
+            "gpu-hook.7.data-0.bin"
+        );
         assert_eq!(manifest_name("pages-1.img"), "pages-1.img");
     }
 

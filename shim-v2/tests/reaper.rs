@@ -7,7 +7,6 @@ use std::time::Duration;
 use gpucr_shim::reaper::{Reaper, Spawner};
 use nix::unistd::Pid;
 
-
 #[tokio::test]
 async fn commands_and_orphans_are_reaped_once() {
     let (reaper, mut exits) = Reaper::start().unwrap();
