@@ -49,7 +49,7 @@ state() {
     [ -f "$manifest" ] && awk '$1 == "file" {print $2}' "$manifest" | while read -r f; do
       if [ -e "$f" ]; then echo "file $f $(stat -c '%a %Y' "$f") $(sha256sum < "$f" | cut -c1-64)"; else echo "file $f MISSING"; fi
     done
-    find /etc/containerd /etc/apt /var/lib/gpucr /usr/local/sbin/criu -type f 2>/dev/null | sort \
+    { find /etc/containerd /etc/apt /var/lib/gpucr /usr/local/sbin/criu -type f 2>/dev/null || true; } | sort \
       | while read -r f; do echo "tree $f $(stat -c '%a %Y' "$f") $(sha256sum < "$f" | cut -c1-64)"; done
   }
 }

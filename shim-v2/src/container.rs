@@ -295,8 +295,14 @@ impl Container {
         let mut gpu_processes = 0;
         let hook;
         if let Some(image) = &cfg.checkpoint {
-            // The hook's images back in their directories (a checkpoint leaves them flat).
-            crate::layout::unfold(image).map_err(|e| Error::Restore {
+            // The hook's images back in their directories (a checkpoint leaves them flat);
+            // a missing image is validate_image's to refuse.
+            let unfolded = if image.is_dir() {
+                crate::layout::unfold(image)
+            } else {
+                Ok(0)
+            };
+            unfolded.map_err(|e| Error::Restore {
                 id: cfg.id.clone(),
                 image: image.clone(),
                 msg: format!("cannot lay out the hook's GPU state images: {e}"),

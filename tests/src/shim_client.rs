@@ -6,6 +6,8 @@ use containerd_shim_protos::ttrpc::context;
 use protobuf::well_known_types::any::Any;
 use serde_json::json;
 
+use serde_json::Value;
+
 use crate::containerd::Containerd;
 use crate::error::{HarnessError, Result};
 
@@ -17,12 +19,24 @@ const LINUX_RESOURCES_TYPE_URL: &str =
 const RPC_TIMEOUT_NS: i64 = 10_000_000_000;
 
 impl Containerd {
-    /// The shim's ttrpc address, from the `address` file in the task's bundle.
+    /// The shim's ttrpc address, from the `address` file in the task's bundle, or (the runc
+    /// shim of containerd 2.x, which writes none) from its `bootstrap.json`.
     pub fn shim_address(&self, id: &str) -> Result<String> {
-        let path = self.bundle(id).join("address");
-        let address = std::fs::read_to_string(&path)
-            .map_err(HarnessError::io("read shim address file", &path))?;
-        Ok(address.trim().to_owned())
+        let bundle = self.bundle(id);
+        let path = bundle.join("address");
+        match std::fs::read_to_string(&path) {
+            Ok(address) => Ok(address.trim().to_owned()),
+            Err(e) => {
+                let bootstrap = bundle.join("bootstrap.json");
+                let Ok(text) = std::fs::read(&bootstrap) else {
+                    return Err(HarnessError::io("read shim address file", &path)(e));
+                };
+                let v: Value = serde_json::from_slice(&text)?;
+                v["address"].as_str().map(str::to_owned).ok_or_else(|| {
+                    HarnessError::Unexpected(format!("no address in {}", bootstrap.display()))
+                })
+            }
+        }
     }
 
     /// A ttrpc Task client connected to the shim of task `id`, and a call context carrying
