@@ -25,6 +25,9 @@
 #   twice-N   the installed layout, default annotations, N GiB: c, then c again of the restored
 #             container (twice-N-2); plugin-twice(-2) the same at SMALL GiB with
 #             io.gpucr.gpu-quiesce=plugin
+#   llm       an LLM server's greedy decode loop (llm_decode.py, 8 GiB bf16), two cycles (llm-2):
+#             every token the uninterrupted run's; train-twice(-2) the training loop with Adam
+#             (4 GiB), two cycles, every loss bit-identical
 #   hang      CRIU never returns: the checkpoint fails at its 20 s deadline, the task runs on
 #             with its GPU; hang-after: c of that container
 #   gpucr-16  c with 16 GiB (f: benchmark); stock-16 likewise; gpucr-16-h0 as gpucr-16 with
@@ -427,6 +430,7 @@ build_images() {
   cp /etc/ld.so.cache "$r/etc/ld.so.cache" 2>/dev/null || true
   cp "$REPO/tests/gpu/torch_workload.py" "$r/torch_workload.py"
   cp "$REPO/tests/gpu/torch_train.py" "$r/torch_train.py"
+  cp "$REPO/tests/gpu/llm_decode.py" "$r/llm_decode.py"
   local binds=(/usr) d p top
   for d in bin sbin lib lib64 lib32 libx32; do
     if [ -L "/$d" ]; then
@@ -479,6 +483,7 @@ ref_run() {
     cuda) timeout 180 "$TOOLS/workload" "$gib" "$steps" 0 "$f" ;;
     torch) timeout 180 "$TORCH_PY" "$REPO/tests/gpu/torch_workload.py" "$gib" "$steps" 0 "$f" ;;
     train) timeout 180 "$TORCH_PY" "$REPO/tests/gpu/torch_train.py" "$gib" "$steps" 0 "$f" ;;
+    llm) timeout 180 "$TORCH_PY" "$REPO/tests/gpu/llm_decode.py" "$gib" "$steps" 0 "$f" ;;
     cpu) local i; for ((i = 0; i <= steps; i++)); do printf 'step %d hash %016x\n' "$i" "$i"; done >"$f" ;;
   esac
   cp "$f" "$LOGS/"
@@ -510,6 +515,11 @@ use_workload() {
       WL_START_T=180
       WL_ARGS=("${TORCH_ARGS[@]}" "${GPU_ARGS[@]}" --env "LD_LIBRARY_PATH=/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
       WL_CMD=("$TORCH_PY" /torch_train.py "$2" 0 "$WL_PAUSE" /tmp/steps) ;;
+    llm)
+      WL_IMAGE=$TORCH_IMAGE
+      WL_START_T=180
+      WL_ARGS=("${TORCH_ARGS[@]}" "${GPU_ARGS[@]}" --env "LD_LIBRARY_PATH=/usr/local/nvidia/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
+      WL_CMD=("$TORCH_PY" /llm_decode.py "$2" 0 "$WL_PAUSE" /tmp/steps) ;;
     cpu)
       WL_IMAGE=$CPU_IMAGE
       WL_NOW=0
@@ -982,7 +992,7 @@ if [ "$DRY" = 1 ]; then
   exit 0
 fi
 
-EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi full e d t twice-$BIG twice-$BIG-2 plugin-twice plugin-twice-2 hang hang-after gpucr-$BIG stock-$BIG"
+EXPECTED="a stock-$SMALL b b-restore s s-restore x x-restore c cdi full e d t twice-$BIG twice-$BIG-2 plugin-twice plugin-twice-2 llm llm-2 train-twice train-twice-2 hang hang-after gpucr-$BIG stock-$BIG"
 build_programs
 build_images
 ref_run cuda "$SMALL" 1500
@@ -1354,6 +1364,44 @@ elif enough 90 plugin-twice; then
   kill_rm plugin-twice
 else
   skip_all plugin-twice plugin-twice-2
+fi
+
+# llm / train-twice: real workloads on the installed layout, two cycles each: an LLM server's
+# greedy decode loop (llm_decode.py, 8 GiB of bf16 weights: every token after each restore the
+# uninterrupted run's) and the training loop with Adam (torch_train.py: every loss bit-identical).
+if [ -z "${TORCH_ARGS[*]}" ]; then
+  result llm SKIP 0 "python3 with torch not found on the host"
+elif ! want llm llm-2; then
+  skip_all llm llm-2
+elif enough 150 llm; then
+  use_workload llm 8
+  if ! ref_run llm 8 400; then
+    result llm FAIL 0 "the decode reference run failed on the host"
+  elif start_workload llm "$GPUCR_RT"; then
+    twice llm llm || true
+  else
+    result llm FAIL 0 "the decode container did not start (see logs/llm.stdio)"
+  fi
+  kill_rm llm
+else
+  skip_all llm llm-2
+fi
+if [ -z "${TORCH_ARGS[*]}" ]; then
+  result train-twice SKIP 0 "python3 with torch not found on the host"
+elif ! want train-twice train-twice-2; then
+  skip_all train-twice train-twice-2
+elif enough 120 train-twice; then
+  use_workload train 4
+  if ! ref_run train 4 600; then
+    result train-twice FAIL 0 "the training reference run failed on the host"
+  elif start_workload train2 "$GPUCR_RT"; then
+    twice train2 train-twice || true
+  else
+    result train-twice FAIL 0 "the training container did not start (see logs/train2.stdio)"
+  fi
+  kill_rm train2
+else
+  skip_all train-twice train-twice-2
 fi
 
 # hang: CRIU never returns (the criu wrapper sleeps): the checkpoint fails at its deadline
