@@ -5,7 +5,7 @@
 # and runs every test, including the end-to-end suite in tests/ (real containerd + runc + CRIU,
 # driven through ctr) against the installed shim in /usr/local/bin, and the CRI suite against
 # containerd 2.x unpacked beside the node's 1.7 (tests/containerd2.sh); then the checkpoint,
-# lifecycle and io suites again against that 2.x.
+# lifecycle, io, task_api_client and deadlines suites again against that 2.x.
 # Runs as root (or re-runs itself with sudo) on a fresh Debian 12 (or newer) clone; needs only
 # apt packages and crates.io.
 #
@@ -90,13 +90,13 @@ cargo test "${offline[@]}" --release --workspace --no-fail-fast -- --test-thread
 status=${PIPESTATUS[0]}
 set -e
 
-step "the ctr suites again against containerd 2.x (checkpoint, lifecycle, io)"
+step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines)"
 # About 2 minutes on 2 cores; the CRI suite (tests/tests/cri.rs) ran above, on 2.x by itself.
 set +e
 c2_status=0
 if [ -n "${GPUCR_TEST_CONTAINERD2:-}" ]; then
   GPUCR_TEST_CONTAINERD=$GPUCR_TEST_CONTAINERD2 cargo test "${offline[@]}" --release -p gpucr-tests \
-    --no-fail-fast --test checkpoint --test lifecycle --test io \
+    --no-fail-fast --test checkpoint --test lifecycle --test io --test task_api_client --test deadlines \
     -- --test-threads="${TEST_THREADS:-2}" 2>&1 | tee "$log_dir/test-containerd2.log"
   c2_status=${PIPESTATUS[0]}
 else

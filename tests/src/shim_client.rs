@@ -1,6 +1,6 @@
 //! Talking to a task's shim directly over ttrpc, for calls `ctr` 1.7 lacks (`Update`).
 
-use containerd_shim_protos::api::UpdateTaskRequest;
+use containerd_shim_protos::api::{self, UpdateTaskRequest};
 use containerd_shim_protos::shim_sync::{Client, TaskClient};
 use containerd_shim_protos::ttrpc::context;
 use protobuf::well_known_types::any::Any;
@@ -75,6 +75,96 @@ pub fn connect(
     let mut ctx = context::with_timeout(timeout_ns);
     ctx.add(NAMESPACE_HEADER.to_owned(), namespace.to_owned());
     Ok((TaskClient::new(client), ctx))
+}
+
+/// The Task API of one shim, whichever version it serves: gpucr and containerd 1.7's runc
+/// shim serve `containerd.task.v2.Task`, containerd 2.x's runc shim only
+/// `containerd.task.v3.Task` (the same messages). The first call finds out.
+pub struct TaskApi {
+    client: Client,
+    v3: std::sync::atomic::AtomicBool,
+}
+
+const TASK_V2: &str = "containerd.task.v2.Task";
+const TASK_V3: &str = "containerd.task.v3.Task";
+
+macro_rules! task_calls {
+    ($($name:ident($method:literal, $req:ty) -> $resp:ty;)*) => {
+        $(
+            pub fn $name(
+                &self,
+                ctx: context::Context,
+                req: &$req,
+            ) -> containerd_shim_protos::ttrpc::Result<$resp> {
+                self.call(ctx, $method, req)
+            }
+        )*
+    };
+}
+
+impl TaskApi {
+    pub fn connect(address: &str) -> Result<TaskApi> {
+        Ok(TaskApi {
+            client: Client::connect(address)?,
+            v3: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    fn request<Q: protobuf::Message, R: protobuf::Message>(
+        &self,
+        ctx: &context::Context,
+        service: &str,
+        method: &str,
+        req: &Q,
+    ) -> containerd_shim_protos::ttrpc::Result<R> {
+        use containerd_shim_protos::ttrpc::{context::to_pb, Error, Request};
+        let mut creq = Request::new();
+        creq.set_service(service.to_owned());
+        creq.set_method(method.to_owned());
+        creq.set_timeout_nano(ctx.timeout_nano);
+        creq.set_metadata(to_pb(ctx.metadata.clone()));
+        creq.payload = req
+            .write_to_bytes()
+            .map_err(|e| Error::Others(format!("encoding {method}: {e}")))?;
+        let res = self.client.request(creq)?;
+        R::parse_from_bytes(&res.payload)
+            .map_err(|e| Error::Others(format!("decoding {method}'s reply: {e}")))
+    }
+
+    fn call<Q: protobuf::Message, R: protobuf::Message>(
+        &self,
+        ctx: context::Context,
+        method: &str,
+        req: &Q,
+    ) -> containerd_shim_protos::ttrpc::Result<R> {
+        use std::sync::atomic::Ordering;
+        if self.v3.load(Ordering::Relaxed) {
+            return self.request(&ctx, TASK_V3, method, req);
+        }
+        match self.request(&ctx, TASK_V2, method, req) {
+            Err(containerd_shim_protos::ttrpc::Error::RpcStatus(st))
+                if st.code() == containerd_shim_protos::ttrpc::Code::UNIMPLEMENTED
+                    && st.message().contains(TASK_V2) =>
+            {
+                self.v3.store(true, Ordering::Relaxed);
+                self.request(&ctx, TASK_V3, method, req)
+            }
+            other => other,
+        }
+    }
+
+    task_calls! {
+        state("State", api::StateRequest) -> api::StateResponse;
+        start("Start", api::StartRequest) -> api::StartResponse;
+        delete("Delete", api::DeleteRequest) -> api::DeleteResponse;
+        exec("Exec", api::ExecProcessRequest) -> api::Empty;
+        close_io("CloseIO", api::CloseIORequest) -> api::Empty;
+        wait("Wait", api::WaitRequest) -> api::WaitResponse;
+        kill("Kill", api::KillRequest) -> api::Empty;
+        checkpoint("Checkpoint", api::CheckpointTaskRequest) -> api::Empty;
+        update("Update", api::UpdateTaskRequest) -> api::Empty;
+        connect_task("Connect", api::ConnectRequest) -> api::ConnectResponse;
+    }
 }
 
 /// The shim's Checkpoint RPC for task `id` into directory `dir` with `flags`, as containerd

@@ -12,7 +12,6 @@ use containerd_shim_protos::api::{
     CloseIORequest, DeleteRequest, ExecProcessRequest, StartRequest, StateRequest, Status,
     WaitRequest,
 };
-use containerd_shim_protos::shim_sync::TaskClient;
 use containerd_shim_protos::ttrpc::context;
 use protobuf::well_known_types::any::Any;
 use serde_json::Value;
@@ -60,7 +59,7 @@ impl Containerd {
     /// A ttrpc connection to task `id`'s shim.
     pub fn task_rpc(&self, id: &str) -> Result<TaskRpc> {
         let address = self.shim_address(id)?;
-        let (client, _) = crate::shim_client::connect(&address, self.namespace(), 0)?;
+        let client = crate::shim_client::TaskApi::connect(&address)?;
         Ok(TaskRpc {
             client,
             address,
@@ -81,7 +80,8 @@ impl Containerd {
 
 /// Task RPCs of one task, straight to its shim.
 pub struct TaskRpc {
-    pub client: TaskClient,
+    /// Task v2 or v3, whichever the shim serves (containerd 2.x's runc shim: v3 only).
+    pub client: crate::shim_client::TaskApi,
     address: String,
     namespace: String,
     pub id: String,
@@ -100,7 +100,7 @@ pub struct ExecIo {
 impl TaskRpc {
     /// A second connection to the same shim (for a call made from another thread).
     pub fn reconnect(&self) -> Result<TaskRpc> {
-        let (client, _) = crate::shim_client::connect(&self.address, &self.namespace, 0)?;
+        let client = crate::shim_client::TaskApi::connect(&self.address)?;
         Ok(TaskRpc {
             client,
             address: self.address.clone(),

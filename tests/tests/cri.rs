@@ -446,3 +446,47 @@ fn runtime_class_options_reach_the_shim() {
         "SystemdCgroup = false: the container's cgroup is not {parent}/{id}:\n{cgroups}"
     );
 }
+
+/// A node upgraded from containerd 1.7 keeps its config (version 2) naming gpucr: containerd
+/// 2.x migrates it (issue #23) with the runtime class, its type and its options intact — the
+/// table install.sh writes on 1.x, as `containerd config migrate` shows it.
+#[test]
+fn a_17_config_naming_gpucr_migrates_to_2x() {
+    let daemon = Daemon::containerd2().unwrap_or_else(|e| panic!("{e}"));
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("config.toml");
+    std::fs::write(
+        &config,
+        r#"version = 2
+[plugins."io.containerd.grpc.v1.cri".containerd]
+  default_runtime_name = "runc"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpucr]
+  runtime_type = "io.containerd.gpucr.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.gpucr.options]
+    BinaryName = "runc"
+    SystemdCgroup = false
+"#,
+    )
+    .expect("write config");
+    let out = Cmd::new(&daemon.containerd)
+        .arg("--config")
+        .arg(&config)
+        .args(["config", "migrate"])
+        .timeout(Duration::from_secs(30))
+        .run_ok()
+        .expect("containerd config migrate");
+    let text = out.stdout;
+    let table = "[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.gpucr]";
+    let at = text
+        .find(table)
+        .unwrap_or_else(|| panic!("no gpucr runtime after the migration:\n{text}"));
+    let gpucr = &text[at..];
+    assert!(
+        gpucr.contains("runtime_type = 'io.containerd.gpucr.v2'")
+            && gpucr.contains("BinaryName = 'runc'")
+            && gpucr.contains("SystemdCgroup = false"),
+        "the gpucr runtime keeps its type and options:\n{gpucr}"
+    );
+}
