@@ -520,3 +520,63 @@ fn the_shim_moves_into_its_cgroup() {
         }
     }
 }
+
+/// Issue 24.3: SIGTERM to a shim with a live container: the shim exits (the runc shim does),
+/// containerd sees it go and cleans up after it — the container's processes are gone and no
+/// task runs on.
+#[test]
+fn a_shim_ends_on_sigterm_and_containerd_cleans_up() {
+    let (ctd, image) = setup();
+    let address = ctd.address().to_string_lossy().into_owned();
+    for runtime in side_by_side() {
+        let id = unique_id(&format!("sigterm-{}", short(runtime)));
+        ctd.run_detached_on(runtime, &id, &image, &[], &["sleep", "1000"])
+            .unwrap();
+        ctd.wait_status(&id, "RUNNING").unwrap();
+        let init = ctd.task_pid(&id).unwrap() as i32;
+        let shim = gpucr_tests::procfs::shim_pid(&address, &id)
+            .unwrap_or_else(|| panic!("{runtime}: no shim for {id}"));
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &shim.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill -TERM {shim}");
+        poll_until(
+            &format!("{runtime}: shim {shim} exits on SIGTERM"),
+            Duration::from_secs(10),
+            || {
+                Ok(if gpucr_tests::procfs::is_alive(shim) {
+                    Err(shim)
+                } else {
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+        poll_until(
+            &format!("{runtime}: the container's init {init} is gone"),
+            Duration::from_secs(15),
+            || {
+                Ok(if gpucr_tests::procfs::is_alive(init) {
+                    Err(init)
+                } else {
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+        poll_until(
+            &format!("{runtime}: no task {id} runs"),
+            Duration::from_secs(15),
+            || {
+                Ok(match ctd.task_status(&id)? {
+                    Some(s) if s == "RUNNING" => Err(s),
+                    _ => Ok(()),
+                })
+            },
+        )
+        .unwrap();
+        let _ = ctd.ctr(&["task", "rm", "-f", &id]);
+        let _ = ctd.ctr(&["container", "rm", &id]);
+    }
+}
