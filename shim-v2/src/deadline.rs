@@ -41,8 +41,8 @@ pub struct Deadline {
 pub enum Source {
     Request,
     Annotation(&'static str),
-    /// The default for this many bytes.
-    Memory(u64),
+    /// The default for this many bytes; the annotation that sets more.
+    Memory(u64, &'static str),
 }
 
 impl fmt::Display for Source {
@@ -50,10 +50,9 @@ impl fmt::Display for Source {
         match self {
             Source::Request => write!(f, "the request's deadline"),
             Source::Annotation(a) => write!(f, "annotation {a}"),
-            Source::Memory(b) => write!(
+            Source::Memory(b, a) => write!(
                 f,
-                "the default for {:.1} GiB (set annotation {CHECKPOINT_ANNOTATION} or \
-                 {RESTORE_ANNOTATION} for more)",
+                "the default for {:.1} GiB (annotation {a} sets more)",
                 *b as f64 / (1u64 << 30) as f64
             ),
         }
@@ -106,7 +105,7 @@ fn pick(
             let gib = bytes.div_ceil(1 << 30) as u32;
             Deadline {
                 after: FLOOR + PER_GIB * gib,
-                source: Source::Memory(bytes),
+                source: Source::Memory(bytes, annotation),
             }
         }
     };
@@ -155,7 +154,7 @@ mod tests {
         assert_eq!(small.after, FLOOR + PER_GIB);
         let big = d.checkpoint(140 << 30, None);
         assert_eq!(big.after, FLOOR + PER_GIB * 140);
-        assert_eq!(big.source, Source::Memory(140 << 30));
+        assert_eq!(big.source, Source::Memory(140 << 30, CHECKPOINT_ANNOTATION));
         let capped = d.restore(140 << 30, Some(Duration::from_secs(60)));
         assert_eq!(capped.source, Source::Request);
         assert_eq!(capped.after, Duration::from_secs(54));
