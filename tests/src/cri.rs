@@ -16,7 +16,7 @@ use serde_json::json;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::error::{HarnessError, Result};
-use crate::image::{sha256_digest, Blob, BusyboxImage, MEDIA_CONFIG, MEDIA_MANIFEST};
+use crate::image::{image_manifest, sha256_digest, Blob, BusyboxImage, MEDIA_CONFIG};
 use crate::registry::Registry;
 
 /// The annotation containerd (2.1+) looks for on a checkpoint OCI image.
@@ -335,16 +335,7 @@ fn busybox_variant(config: serde_json::Value) -> Result<(Blob, Blob)> {
     let mut image: serde_json::Value = serde_json::from_slice(&base.config.bytes)?;
     image["config"] = config;
     let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&image)?);
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": config.descriptor(),
-        "layers": [base.layer.descriptor()],
-    });
-    Ok((
-        Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?),
-        config,
-    ))
+    Ok((image_manifest(&config, &[&base.layer], None)?, config))
 }
 
 /// Puts busybox (`gpucr/busybox:test`) and a pause image (`gpucr/pause:test`: busybox's
@@ -390,14 +381,8 @@ pub fn push_checkpoint_image(
         "rootfs": { "type": "layers", "diff_ids": [sha256_digest(archive)] },
     });
     let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": config.descriptor(),
-        "layers": [layer.descriptor()],
-        "annotations": { CHECKPOINT_ANNOTATION: container_name },
-    });
-    let manifest = Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?);
+    let annotations = json!({ CHECKPOINT_ANNOTATION: container_name });
+    let manifest = image_manifest(&config, &[&layer], Some(annotations))?;
     registry.push(repository, tag, &manifest, &[&config, &layer]);
     Ok(registry.reference(repository, tag))
 }

@@ -221,13 +221,7 @@ impl BusyboxImage {
             "rootfs": { "type": "layers", "diff_ids": [diff_id] },
         });
         let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
-        let manifest = json!({
-            "schemaVersion": 2,
-            "mediaType": MEDIA_MANIFEST,
-            "config": config.descriptor(),
-            "layers": [layer.descriptor()],
-        });
-        let manifest = Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?);
+        let manifest = image_manifest(&config, &[&layer], None)?;
         Ok(Self {
             reference: BUSYBOX_REF.to_owned(),
             manifest,
@@ -306,13 +300,7 @@ impl BusyboxImage {
             .ok_or_else(|| HarnessError::Unexpected("busybox config has no diff_ids".into()))?
             .push(json!(sha256_digest(&layer_tar)));
         let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
-        let manifest = json!({
-            "schemaVersion": 2,
-            "mediaType": MEDIA_MANIFEST,
-            "config": config.descriptor(),
-            "layers": [self.layer.descriptor(), extra.descriptor()],
-        });
-        let manifest = Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?);
+        let manifest = image_manifest(&config, &[&self.layer, &extra], None)?;
         let mut layout = OciLayout::default();
         layout.add_blob(&config);
         layout.add_blob(&self.layer);
@@ -413,6 +401,20 @@ impl CheckpointImage {
         );
         layout.to_tar()
     }
+}
+
+/// An OCI image manifest of `config` and `layers` (in order), with `annotations` if given.
+pub fn image_manifest(config: &Blob, layers: &[&Blob], annotations: Option<Value>) -> Result<Blob> {
+    let mut manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": config.descriptor(),
+        "layers": layers.iter().map(|l| l.descriptor()).collect::<Vec<_>>(),
+    });
+    if let Some(a) = annotations {
+        manifest["annotations"] = a;
+    }
+    Ok(Blob::new(MEDIA_MANIFEST, serde_json::to_vec(&manifest)?))
 }
 
 fn with_platform(mut descriptor: Value) -> Value {

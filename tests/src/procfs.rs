@@ -74,14 +74,26 @@ pub fn is_alive(pid: i32) -> bool {
     }
 }
 
-/// Sends SIGKILL to `pid`.
-pub fn sigkill(pid: i32) -> std::io::Result<()> {
+/// Sends signal `sig` to `pid`.
+pub fn signal(pid: i32, sig: i32) -> std::io::Result<()> {
     // SAFETY: kill(2) has no memory-safety preconditions.
-    if unsafe { libc::kill(pid, libc::SIGKILL) } == 0 {
+    if unsafe { libc::kill(pid, sig) } == 0 {
         Ok(())
     } else {
         Err(std::io::Error::last_os_error())
     }
+}
+
+/// Sends SIGKILL to `pid`.
+pub fn sigkill(pid: i32) -> std::io::Result<()> {
+    signal(pid, libc::SIGKILL)
+}
+
+/// Waits until `pid` is gone (or a zombie): `what` names the wait in the timeout's error.
+pub fn wait_gone(what: &str, pid: i32, timeout: std::time::Duration) -> crate::Result<()> {
+    crate::poll_until(what, timeout, || {
+        Ok(if is_alive(pid) { Err(pid) } else { Ok(()) })
+    })
 }
 
 /// Kills every shim of the containerd on `address` (used after the daemon is gone).

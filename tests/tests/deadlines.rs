@@ -71,12 +71,9 @@ impl Hanging {
         let pids: Vec<i32> = pids.lines().filter_map(|l| l.parse().ok()).collect();
         assert!(!pids.is_empty(), "CRIU never hung: the test did not test");
         for p in pids {
-            let alive = gpucr_tests::poll_until(
-                &format!("hung criu {p} gone"),
-                Duration::from_secs(10),
-                || Ok(if procfs::is_alive(p) { Err(p) } else { Ok(()) }),
-            );
-            assert!(alive.is_ok(), "the hung criu {p} outlived its deadline");
+            let gone =
+                procfs::wait_gone(&format!("hung criu {p} gone"), p, Duration::from_secs(10));
+            assert!(gone.is_ok(), "the hung criu {p} outlived its deadline");
         }
     }
 

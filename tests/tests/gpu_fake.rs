@@ -51,11 +51,18 @@ fn gpucr_under_test() -> bool {
 }
 
 fn start() -> Option<Gpu> {
+    start_with_env(Vec::new())
+}
+
+/// [`start`] with more environment for the daemon (and so its shims, runc and CRIU).
+fn start_with_env(extra: Vec<(String, String)>) -> Option<Gpu> {
     if !gpucr_under_test() {
         return None;
     }
     let fake = FakeCuda::new().expect("fake libcuda");
-    let ctd = Containerd::start_with_env(&fake.env()).expect("containerd");
+    let mut env = fake.env();
+    env.extend(extra);
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
     let image = ctd.import_busybox().expect("busybox image");
     Some(Gpu { ctd, image, fake })
 }
@@ -352,13 +359,11 @@ fn failed_gpu_restore_leaves_nothing_behind() {
         .collect();
     assert!(!victims.is_empty(), "{:#?}", g.fake.log());
     for p in &victims {
-        gpucr_tests::poll_until("half-restored process dies", Duration::from_secs(5), || {
-            Ok(if procfs::is_alive(*p as i32) {
-                Err(p)
-            } else {
-                Ok(())
-            })
-        })
+        procfs::wait_gone(
+            "half-restored process dies",
+            *p as i32,
+            Duration::from_secs(5),
+        )
         .unwrap();
     }
     assert_ne!(g.ctd.task_status(&id).unwrap().as_deref(), Some("RUNNING"));
@@ -819,19 +824,17 @@ fn nvidias_plugin_beside_gpucrs_leaves_the_gpu_to_the_shim() {
         .expect("cc");
     assert!(built.success(), "building {}", src.display());
     let standin_log = plugins.path().join("standin.log");
-    let fake = FakeCuda::new().expect("fake libcuda");
-    let mut env = fake.env();
-    env.push((
-        "CRIU_LIBS_DIR".into(),
-        plugins.path().to_string_lossy().into_owned(),
-    ));
-    env.push((
-        "GPUCR_STANDIN_LOG".into(),
-        standin_log.to_string_lossy().into_owned(),
-    ));
-    let ctd = Containerd::start_with_env(&env).expect("containerd");
-    let image = ctd.import_busybox().expect("busybox image");
-    let g = Gpu { ctd, image, fake };
+    let g = start_with_env(vec![
+        (
+            "CRIU_LIBS_DIR".into(),
+            plugins.path().to_string_lossy().into_owned(),
+        ),
+        (
+            "GPUCR_STANDIN_LOG".into(),
+            standin_log.to_string_lossy().into_owned(),
+        ),
+    ])
+    .expect("gpucr under test");
 
     let id = unique_id("gpu-nvplugin");
     let pid = g.counter(&id, &[]);

@@ -254,6 +254,28 @@ impl Hooked {
     fn shim_log(&self) -> String {
         self.ctd.log_tail(400)
     }
+
+    /// Restores `id` from the image directory `dir` and checks that the restored process
+    /// got its device memory back from the hook's image, with the hash it had.
+    fn restore_from_dir(&self, id: &str, dir: &Path, spec: &[u8], hash: &str) {
+        self.ctd
+            .restore_from_image_path(id, dir, APP_IMAGE, spec)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "restore from {}: {e}\nshim log: {}",
+                    dir.display(),
+                    self.shim_log()
+                )
+            });
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        self.assert_memory_kept(id, hash);
+        assert!(
+            self.shim_log()
+                .contains("restored process's device memory copied in"),
+            "{}",
+            self.shim_log()
+        );
+    }
 }
 
 /// The mounts at the hook's two destinations: (destination, source).
@@ -460,17 +482,7 @@ fn snapshot_checkpoint_is_written_while_the_task_runs_and_restores() {
     // Restored from that image: the process wakes up Snapshotted and gets its memory
     // from the image written after the thaw.
     g.ctd.remove_container(&id).unwrap();
-    g.ctd
-        .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
-        .unwrap_or_else(|e| panic!("restore: {e}\nshim log: {}", g.shim_log()));
-    g.ctd.wait_status(&id, "RUNNING").unwrap();
-    g.assert_memory_kept(&id, &hash);
-    assert!(
-        g.shim_log()
-            .contains("restored process's device memory copied in"),
-        "{}",
-        g.shim_log()
-    );
+    g.restore_from_dir(&id, &dir, &spec, &hash);
     g.ctd.remove_container(&id).unwrap();
 }
 
@@ -641,17 +653,7 @@ fn a_hooked_checkpoint_survives_cris_copy_and_restores() {
             .unwrap_or_else(|e| panic!("CRI's copy fails at {name}: {e}"));
     }
     g.ctd.remove_container(&id).unwrap();
-    g.ctd
-        .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
-        .unwrap_or_else(|e| panic!("restore of CRI's copy: {e}\nshim log: {}", g.shim_log()));
-    g.ctd.wait_status(&id, "RUNNING").unwrap();
-    g.assert_memory_kept(&id, &hash);
-    assert!(
-        g.shim_log()
-            .contains("restored process's device memory copied in"),
-        "{}",
-        g.shim_log()
-    );
+    g.restore_from_dir(&id, &dir, &spec, &hash);
     g.ctd.remove_container(&id).unwrap();
     let _ = g.ctd.remove_image(&reference);
 }

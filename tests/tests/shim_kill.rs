@@ -23,10 +23,7 @@ fn killed_shim_is_cleaned_up_by_delete() {
     );
 
     sigkill(shim).expect("kill -9 the shim");
-    poll_until("shim gone", Duration::from_secs(10), || {
-        Ok(if is_alive(shim) { Err(shim) } else { Ok(()) })
-    })
-    .unwrap();
+    gpucr_tests::procfs::wait_gone("shim gone", shim, Duration::from_secs(10)).unwrap();
 
     // containerd notices the lost connection and runs the shim's delete action; then the
     // task is stopped or gone. `task rm` must succeed (or find nothing left to remove).

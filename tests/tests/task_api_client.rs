@@ -511,10 +511,11 @@ fn the_shim_moves_into_its_cgroup() {
             ..Default::default()
         };
         let _ = client.shutdown(ctx, &shutdown);
-        let _ = poll_until("the shim gone", Duration::from_secs(10), || {
-            let alive = gpucr_tests::procfs::is_alive(shim_pid as i32);
-            Ok(if alive { Err(shim_pid) } else { Ok(()) })
-        });
+        let _ = gpucr_tests::procfs::wait_gone(
+            "the shim gone",
+            shim_pid as i32,
+            Duration::from_secs(10),
+        );
         for d in &dirs {
             let _ = std::fs::remove_dir(d);
         }
@@ -536,35 +537,11 @@ fn a_shim_ends_on_sigterm_and_containerd_cleans_up() {
         let init = ctd.task_pid(&id).unwrap() as i32;
         let shim = gpucr_tests::procfs::shim_pid(&address, &id)
             .unwrap_or_else(|| panic!("{runtime}: no shim for {id}"));
-        let sent = std::process::Command::new("kill")
-            .args(["-TERM", &shim.to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success(), "kill -TERM {shim}");
-        poll_until(
-            &format!("{runtime}: shim {shim} exits on SIGTERM"),
-            Duration::from_secs(10),
-            || {
-                Ok(if gpucr_tests::procfs::is_alive(shim) {
-                    Err(shim)
-                } else {
-                    Ok(())
-                })
-            },
-        )
-        .unwrap();
-        poll_until(
-            &format!("{runtime}: the container's init {init} is gone"),
-            Duration::from_secs(15),
-            || {
-                Ok(if gpucr_tests::procfs::is_alive(init) {
-                    Err(init)
-                } else {
-                    Ok(())
-                })
-            },
-        )
-        .unwrap();
+        gpucr_tests::procfs::signal(shim, libc::SIGTERM).expect("kill -TERM the shim");
+        let what = format!("{runtime}: shim {shim} exits on SIGTERM");
+        gpucr_tests::procfs::wait_gone(&what, shim, Duration::from_secs(10)).unwrap();
+        let what = format!("{runtime}: the container's init {init} is gone");
+        gpucr_tests::procfs::wait_gone(&what, init, Duration::from_secs(15)).unwrap();
         poll_until(
             &format!("{runtime}: no task {id} runs"),
             Duration::from_secs(15),
