@@ -1,0 +1,33 @@
+//! gpucr's node-local store of checkpoint data (`FORMAT.md` beside this crate is the layout's
+//! specification).
+//!
+//! A checkpoint's bulk bytes (device memory, later CRIU's pages) are cut into chunks that are
+//! written once, named by their BLAKE3 digest, and never changed; a checkpoint is a small
+//! [`Manifest`] listing the chunks it needs, published last and atomically. So a second
+//! checkpoint of unchanged memory writes nothing new, replicas of one model share their chunks,
+//! and what containerd tars can be the manifest alone.
+//!
+//! - [`Store`]: opening a store and reading from it ([`store`]).
+//! - [`Writer`]: one checkpoint's writes, holding the store's shared lock so a concurrent
+//!   [`Store::gc`] never removes a chunk whose manifest is not yet published ([`writer`]).
+//! - [`Store::gc`] and [`Retention`]: what is kept ([`gc`]); [`Store::validate`]: every chunk
+//!   against its digest ([`validate`]).
+//! - [`Remote`]: the shared store other nodes reach; `push` and `pull` ([`remote`]).
+
+pub mod digest;
+pub mod error;
+pub mod gc;
+pub mod manifest;
+pub mod remote;
+pub mod store;
+pub mod validate;
+pub mod writer;
+
+pub use digest::Digest;
+pub use error::{Result, StoreError};
+pub use gc::{GcReport, Retention};
+pub use manifest::{ChunkRef, Manifest};
+pub use remote::{Remote, Transfer};
+pub use store::Store;
+pub use validate::ValidateReport;
+pub use writer::{Put, Writer};
