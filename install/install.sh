@@ -5,6 +5,7 @@
 #
 #   $prefix/bin/containerd-shim-gpucr-v2     the runtime io.containerd.gpucr.v2 (prefix /usr/local)
 #   $prefix/bin/gpucr-copyin                 restore copy-in helper (the shim starts it)
+#   $prefix/bin/gpucr                        the operator CLI of gpucr's checkpoint store
 #   /usr/lib/criu/gpucr_cuda_plugin.so       CRIU plugin (CRIU loads every *.so there)
 #   /usr/lib/gpucr/libgpucr_hook.so          hook library, preloaded into GPU containers
 #   /etc/containerd/conf.d/gpucr.toml        runtime class `gpucr`, imported from config.toml
@@ -128,7 +129,7 @@ put_file() {  # put_file SRC DEST MODE: copies only when content or mode differ 
 if [ "$build" = 1 ]; then
   gpucr_find_cargo || die "cargo not found (not on PATH, not in ~/.cargo/bin of root or \$SUDO_USER): install a Rust toolchain (https://rustup.rs) and re-run, or build elsewhere and pass --from DIR"
   # -p gpucr-hook builds gpucr-copyin (with the cuda feature the preload library turns on).
-  cargo_args=(build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload -p gpucr-hook)
+  cargo_args=(build --release --locked -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload -p gpucr-hook -p gpucr-store)
   owner=$(stat -c %U "$top")
   if [ -n "${SUDO_USER:-}" ] && [ "$SUDO_USER" != root ] && [ "$owner" = "$SUDO_USER" ]; then
     # Build as the checkout's owner: target/ and ~/.cargo stay theirs.
@@ -144,6 +145,13 @@ fi
 put_file "$from/containerd-shim-gpucr-v2" "$bin_dir/containerd-shim-gpucr-v2" 0755
 # The restore's copy-in helper: the shim starts it from its own directory.
 put_file "$from/gpucr-copyin" "$bin_dir/gpucr-copyin" 0755
+# The operator CLI (gpucr ls/validate/gc/push/pull); a --from directory built before it existed
+# (an older GPU carry) may lack it: the runtime does not need it.
+if [ -f "$from/gpucr" ]; then
+  put_file "$from/gpucr" "$bin_dir/gpucr" 0755
+else
+  say "no gpucr CLI in $from: not installed (the runtime does not need it)"
+fi
 # CRIU loads every *.so in its plugin directory (/usr/lib/criu; deps.sh builds CRIU that way).
 put_file "$from/libgpucr_criu_plugin.so" "$criu_plugin_dir/gpucr_cuda_plugin.so" 0644
 # Preloaded by the shim into GPU containers (read-only bind mount); io.gpucr.hook=off per

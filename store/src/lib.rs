@@ -20,6 +20,7 @@ pub mod gc;
 pub mod manifest;
 pub mod remote;
 pub mod store;
+pub mod usage;
 pub mod validate;
 pub mod writer;
 
@@ -29,5 +30,6 @@ pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};
 pub use remote::{Remote, Transfer};
 pub use store::Store;
+pub use usage::{ManifestUsage, Usage};
 pub use validate::ValidateReport;
 pub use writer::{Put, Writer};

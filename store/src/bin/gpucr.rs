@@ -1,0 +1,226 @@
+//! `gpucr`: the operator's view of a node's gpucr store — what checkpoints it holds and what
+//! they cost, checking every chunk, retention, and moving checkpoints to and from a shared
+//! store.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use gpucr_store::remote::DEFAULT_PARALLEL;
+use gpucr_store::{Remote, Retention, Store, StoreError};
+
+#[derive(Parser)]
+#[command(
+    name = "gpucr",
+    version,
+    about = "gpucr's checkpoint store on this node"
+)]
+struct Cli {
+    /// The node's store.
+    #[arg(long, env = "GPUCR_STORE", default_value = "/var/lib/gpucr/store")]
+    store: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Checkpoints in the store: chunks, logical size, bytes only they hold, age.
+    Ls,
+    /// One checkpoint's manifest, as JSON.
+    Inspect { name: String },
+    /// Every chunk against its digest and every checkpoint's chunks present; exits 1 otherwise.
+    Validate {
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+    },
+    /// Removes checkpoints beyond the newest N per container (and the chunks only they hold).
+    Gc {
+        #[arg(long)]
+        keep_last: usize,
+        /// A checkpoint to keep whatever its age (repeatable).
+        #[arg(long = "pin")]
+        pinned: Vec<String>,
+    },
+    /// Copies a checkpoint and its chunks to a shared store (a directory other nodes mount).
+    Push {
+        name: String,
+        #[arg(long)]
+        to: PathBuf,
+        #[arg(long, default_value_t = DEFAULT_PARALLEL)]
+        parallel: usize,
+    },
+    /// Fetches a checkpoint and the chunks this node lacks from a shared store.
+    Pull {
+        name: String,
+        #[arg(long)]
+        from: PathBuf,
+        #[arg(long, default_value_t = DEFAULT_PARALLEL)]
+        parallel: usize,
+    },
+    /// The store's totals: checkpoints, chunks, bytes held, bytes without sharing.
+    Report,
+}
+
+fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get())
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("GPUCR_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("gpucr: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode, StoreError> {
+    let store = Store::open(&cli.store)?;
+    match cli.command {
+        Command::Ls => {
+            let usage = store.usage()?;
+            println!(
+                "{:<48} {:>7} {:>10} {:>10} {:>8}",
+                "NAME", "CHUNKS", "SIZE", "UNIQUE", "AGE"
+            );
+            for m in &usage.manifests {
+                println!(
+                    "{:<48} {:>7} {:>10} {:>10} {:>8}",
+                    m.manifest.name,
+                    m.manifest.chunks.len(),
+                    bytes(m.manifest.logical_bytes()),
+                    bytes(m.unique_bytes),
+                    age(m.manifest.created_unix_ms)
+                );
+            }
+        }
+        Command::Inspect { name } => {
+            let m = store.manifest(&name)?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&m).expect("manifest serialises")
+            );
+        }
+        Command::Validate { threads } => {
+            let r = store.validate(threads)?;
+            for path in &r.damaged {
+                println!("damaged: {}", path.display());
+            }
+            for (name, c) in &r.missing {
+                println!("missing: {name}: chunk {} ({} bytes)", c.digest, c.len);
+            }
+            println!(
+                "{} chunks, {} checked: {}",
+                r.chunks_checked,
+                bytes(r.bytes_checked),
+                if r.is_clean() { "clean" } else { "NOT clean" }
+            );
+            if !r.is_clean() {
+                return Ok(ExitCode::from(1));
+            }
+        }
+        Command::Gc { keep_last, pinned } => {
+            let r = store.gc(&Retention {
+                keep_last,
+                pinned: pinned.into_iter().collect::<HashSet<_>>(),
+            })?;
+            for name in &r.manifests_removed {
+                println!("removed: {name}");
+            }
+            println!(
+                "{} chunks freed, {}",
+                r.chunks_removed,
+                bytes(r.bytes_freed)
+            );
+        }
+        Command::Push { name, to, parallel } => {
+            let remote = Remote::filesystem(&to)?;
+            let t = runtime().block_on(remote.push(&store, &name, parallel))?;
+            println!(
+                "pushed {name} to {}: {} sent, {} chunks already there",
+                remote.label(),
+                bytes(t.bytes),
+                t.chunks_present
+            );
+        }
+        Command::Pull {
+            name,
+            from,
+            parallel,
+        } => {
+            let remote = Remote::filesystem(&from)?;
+            let t = runtime().block_on(remote.pull(&store, &name, parallel))?;
+            println!(
+                "pulled {name} from {}: {} fetched, {} chunks already here",
+                remote.label(),
+                bytes(t.bytes),
+                t.chunks_present
+            );
+        }
+        Command::Report => {
+            let u = store.usage()?;
+            println!(
+                "store:       {} (id {})",
+                store.root().display(),
+                store.id()
+            );
+            println!("checkpoints: {}", u.manifests.len());
+            println!("chunks:      {} ({})", u.chunks, bytes(u.chunk_bytes));
+            println!("logical:     {}", bytes(u.logical_bytes));
+            if u.chunk_bytes > 0 {
+                println!(
+                    "sharing:     {:.2}x",
+                    u.logical_bytes as f64 / u.chunk_bytes as f64
+                );
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
+fn age(created_unix_ms: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default();
+    let s = now.saturating_sub(created_unix_ms) / 1000;
+    match s {
+        0..=119 => format!("{s}s"),
+        120..=7199 => format!("{}m", s / 60),
+        7200..=172_799 => format!("{}h", s / 3600),
+        _ => format!("{}d", s / 86_400),
+    }
+}

@@ -1,0 +1,78 @@
+//! The `gpucr` binary on a store the library filled: what an operator sees.
+
+use std::process::Command;
+
+use gpucr_store::Store;
+
+fn gpucr(store: &std::path::Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_gpucr"))
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+#[test]
+fn ls_validate_gc_push_pull() {
+    let (node_a, node_b, shared) = (
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+        tempfile::tempdir().unwrap(),
+    );
+    let store = Store::open(node_a.path()).unwrap();
+    for n in 1..=3 {
+        let mut w = store.writer().unwrap();
+        let weights = w.put_chunk(&vec![1u8; 1 << 20]).unwrap().chunk;
+        let step = w
+            .put_chunk(format!("optimizer step {n}").as_bytes())
+            .unwrap()
+            .chunk;
+        w.publish(
+            &format!("train/{n}"),
+            vec![weights, step],
+            serde_json::Value::Null,
+        )
+        .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+
+    let (rc, out) = gpucr(node_a.path(), &["ls"]);
+    assert_eq!(rc, 0, "{out}");
+    assert!(out.contains("train/3") && out.contains("1.0 MiB"), "{out}");
+    let (rc, out) = gpucr(node_a.path(), &["report"]);
+    assert!(rc == 0 && out.contains("sharing:     3.00x"), "{out}");
+
+    let (rc, out) = gpucr(
+        node_a.path(),
+        &["push", "train/3", "--to", shared.path().to_str().unwrap()],
+    );
+    assert_eq!(rc, 0, "{out}");
+    let (rc, out) = gpucr(
+        node_b.path(),
+        &["pull", "train/3", "--from", shared.path().to_str().unwrap()],
+    );
+    assert!(rc == 0 && out.contains("1.0 MiB fetched"), "{out}");
+    let (rc, out) = gpucr(node_b.path(), &["validate"]);
+    assert!(rc == 0 && out.contains("clean"), "{out}");
+
+    let (rc, out) = gpucr(
+        node_a.path(),
+        &["gc", "--keep-last", "1", "--pin", "train/1"],
+    );
+    assert!(rc == 0 && out.contains("removed: train/2"), "{out}");
+    let victim = store.manifest("train/3").unwrap().chunks[0];
+    std::fs::write(store.chunk_path(&victim.digest), vec![2u8; 1 << 20]).unwrap();
+    let (rc, out) = gpucr(node_a.path(), &["validate"]);
+    assert_eq!(rc, 1, "{out}");
+    assert!(
+        out.contains("damaged:") && out.contains(&victim.digest.to_hex()),
+        "{out}"
+    );
+}
