@@ -5,7 +5,8 @@
 # and runs every test, including the end-to-end suite in tests/ (real containerd + runc + CRIU,
 # driven through ctr) against the installed shim in /usr/local/bin, and the CRI suite against
 # containerd 2.x unpacked beside the node's 1.7 (tests/containerd2.sh); then the checkpoint,
-# lifecycle, io, task_api_client and deadlines suites again against that 2.x.
+# lifecycle, io, task_api_client and deadlines suites again against that 2.x; the store's shared
+# store tests run against a real S3 server (s3s-fs, built from crates.io into /opt/gpucr-test/s3s).
 # Runs as root (or re-runs itself with sudo) on a fresh Debian 12 (or newer) clone; needs only
 # apt packages and crates.io.
 #
@@ -77,6 +78,14 @@ if bash tests/containerd2.sh 2>&1 | tee "$log_dir/containerd2.log"; then
   eval "$(grep -E '^GPUCR_(TEST_CONTAINERD2|CHECKPOINTCTL)=' "$log_dir/containerd2.log" | sed 's/^/export /')"
 else
   echo "gpucr CI: tests/containerd2.sh failed: the CRI suite and the containerd 2.x pass fail"
+fi
+
+step "an S3-compatible server for the shared store's tests (s3s-fs from crates.io, into /opt/gpucr-test/s3s)"
+# A real S3 server (not a mock) on loopback; store/tests/s3.rs starts it. Built once (~2 min).
+if [ ! -x /opt/gpucr-test/s3s/bin/s3s-fs ]; then
+  CARGO_TARGET_DIR=/var/tmp/gpucr-s3s-build cargo install s3s-fs@0.14.1 --features binary --locked \
+    --root /opt/gpucr-test/s3s 2>&1 | tail -3 || echo "gpucr CI: s3s-fs did not build; the S3 store test fails"
+  rm -rf /var/tmp/gpucr-s3s-build
 fi
 
 step "test"

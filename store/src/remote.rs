@@ -52,6 +52,36 @@ impl Remote {
         Ok(Remote::new(Arc::new(fs), dir.display().to_string()))
     }
 
+    /// An S3-compatible bucket: `s3://BUCKET[/PREFIX]`. Endpoint, region and credentials come
+    /// from the usual `AWS_*` environment (`AWS_ENDPOINT`, `AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`, `AWS_ALLOW_HTTP` for a plain-HTTP endpoint).
+    pub fn s3(url: &str) -> Result<Self> {
+        let rest = url.strip_prefix("s3://").unwrap_or(url);
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let s3 = object_store::aws::AmazonS3Builder::from_env()
+            .with_bucket_name(bucket)
+            .build()
+            .map_err(|e| remote_err(url.to_string(), "cannot configure", e))?;
+        let objects: Arc<dyn ObjectStore> = if prefix.trim_matches('/').is_empty() {
+            Arc::new(s3)
+        } else {
+            Arc::new(object_store::prefix::PrefixStore::new(
+                s3,
+                prefix.trim_matches('/'),
+            ))
+        };
+        Ok(Remote::new(objects, url))
+    }
+
+    /// `s3://…` ([`Self::s3`]), else a directory ([`Self::filesystem`]).
+    pub fn open(location: &str) -> Result<Self> {
+        if location.starts_with("s3://") {
+            Self::s3(location)
+        } else {
+            Self::filesystem(location)
+        }
+    }
+
     pub fn label(&self) -> &str {
         &self.label
     }
@@ -140,19 +170,39 @@ impl Remote {
         Ok(t)
     }
 
+    /// Writes an object unless it exists. Objects are immutable and chunks content-addressed,
+    /// so one already there holds the same bytes. A store without conditional writes gets a
+    /// look first, then a plain write (two racing writers then write the same bytes).
     async fn put_new(&self, location: &ObjectPath, bytes: Vec<u8>) -> Result<bool> {
-        let opts = PutOptions {
+        match self.objects.head(location).await {
+            Ok(_) => return Ok(false),
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => {
+                return Err(remote_err(
+                    self.objects_label(location),
+                    "cannot look up",
+                    e,
+                ))
+            }
+        }
+        let payload = PutPayload::from(bytes);
+        let create = PutOptions {
             mode: PutMode::Create,
             ..Default::default()
         };
         match self
             .objects
-            .put_opts(location, PutPayload::from(bytes), opts)
+            .put_opts(location, payload.clone(), create)
             .await
         {
             Ok(_) => Ok(true),
-            // Immutable, content-addressed: an object already there holds the same bytes.
             Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(object_store::Error::NotImplemented { .. }) => self
+                .objects
+                .put(location, payload)
+                .await
+                .map(|_| true)
+                .map_err(|e| remote_err(self.objects_label(location), "cannot write", e)),
             Err(e) => Err(remote_err(self.objects_label(location), "cannot write", e)),
         }
     }

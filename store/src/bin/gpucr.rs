@@ -43,11 +43,12 @@ enum Command {
         #[arg(long = "pin")]
         pinned: Vec<String>,
     },
-    /// Copies a checkpoint and its chunks to a shared store (a directory other nodes mount).
+    /// Copies a checkpoint and its chunks to a shared store: a directory other nodes mount, or
+    /// s3://BUCKET[/PREFIX] (endpoint and credentials from AWS_* variables).
     Push {
         name: String,
         #[arg(long)]
-        to: PathBuf,
+        to: String,
         #[arg(long, default_value_t = DEFAULT_PARALLEL)]
         parallel: usize,
     },
@@ -55,7 +56,7 @@ enum Command {
     Pull {
         name: String,
         #[arg(long)]
-        from: PathBuf,
+        from: String,
         #[arg(long, default_value_t = DEFAULT_PARALLEL)]
         parallel: usize,
     },
@@ -145,7 +146,7 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
             );
         }
         Command::Push { name, to, parallel } => {
-            let remote = Remote::filesystem(&to)?;
+            let remote = Remote::open(&to)?;
             let t = runtime().block_on(remote.push(&store, &name, parallel))?;
             println!(
                 "pushed {name} to {}: {} sent, {} chunks already there",
@@ -159,7 +160,7 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
             from,
             parallel,
         } => {
-            let remote = Remote::filesystem(&from)?;
+            let remote = Remote::open(&from)?;
             let t = runtime().block_on(remote.pull(&store, &name, parallel))?;
             println!(
                 "pulled {name} from {}: {} fetched, {} chunks already here",
