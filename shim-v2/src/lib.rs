@@ -17,6 +17,7 @@ pub mod host;
 pub mod io;
 pub mod layout;
 pub mod logger;
+pub mod metrics;
 pub mod oom;
 pub mod options;
 pub mod process;

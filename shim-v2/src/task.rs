@@ -3,9 +3,9 @@
 
 use std::{
     collections::HashMap,
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::{Arc, Mutex, RwLock},
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use async_trait::async_trait;
@@ -26,6 +26,7 @@ use crate::{
     error::{Error, Result},
     events::{publish, timestamp, EventSender},
     io::StdioSpec,
+    metrics::{self, Op},
     options::{CheckpointRequest, RuntimeOptions},
     reaper::{Exit, Spawner},
     stats,
@@ -88,6 +89,9 @@ pub struct Inner {
     exit: Arc<ExitSignal>,
     /// OOM watchers send the container id here; one task turns them into TaskOOM events.
     oom: tokio::sync::mpsc::UnboundedSender<String>,
+    /// Restores between their Create and their Start: when each began and from which image
+    /// (a restore's metrics cover both verbs).
+    restores: Mutex<HashMap<String, (Instant, PathBuf)>>,
 }
 
 #[derive(Clone)]
@@ -112,6 +116,7 @@ impl TaskService {
             spawner,
             exit,
             oom,
+            restores: Mutex::default(),
         });
         tokio::spawn(process_exits(inner.clone(), exits));
         let events = inner.events.clone();
@@ -198,6 +203,31 @@ async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
 }
 
 impl Inner {
+    /// Metrics and the event log for one checkpoint or restore (never fails the RPC).
+    fn record(
+        &self,
+        op: Op,
+        id: &str,
+        image: &Path,
+        began: Instant,
+        r: std::result::Result<(), &Error>,
+    ) {
+        let bytes = if r.is_ok() {
+            metrics::tree_bytes(image)
+        } else {
+            0
+        };
+        metrics::record(&metrics::Event {
+            op,
+            container: id,
+            namespace: &self.namespace,
+            image,
+            seconds: metrics::seconds(began.elapsed()),
+            bytes,
+            error: r.err().map(|e| e.to_string()),
+        });
+    }
+
     fn container(&self, id: &str) -> Result<Arc<Container>> {
         self.containers
             .read()
@@ -271,7 +301,23 @@ impl TaskService {
             parent_checkpoint: non_empty(&req.parent_checkpoint),
             opts,
         };
-        let c = Arc::new(Container::create(cfg, inner.spawner.clone()).await?);
+        let restore = cfg.checkpoint.clone().map(|image| (Instant::now(), image));
+        let c = match Container::create(cfg, inner.spawner.clone()).await {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                if let Some((began, image)) = &restore {
+                    inner.record(Op::Restore, &req.id, image, *began, Err(&e));
+                }
+                return Err(e);
+            }
+        };
+        if let Some(r) = restore {
+            inner
+                .restores
+                .lock()
+                .expect("restores lock")
+                .insert(req.id.clone(), r);
+        }
         let pid = c.pid();
         inner
             .containers
@@ -316,12 +362,31 @@ impl TaskService {
         let c = inner.container(&req.id)?;
         let pid = if req.exec_id.is_empty() {
             let restoring = c.pid() == 0;
-            let pid = c
+            let started = c
                 .start(
                     |pid| inner.register(pid, Owner::Init(req.id.clone())),
                     request,
                 )
-                .await?;
+                .await;
+            let restore = restoring
+                .then(|| {
+                    inner
+                        .restores
+                        .lock()
+                        .expect("restores lock")
+                        .remove(&req.id)
+                })
+                .flatten();
+            if let Some((began, image)) = restore {
+                inner.record(
+                    Op::Restore,
+                    &req.id,
+                    &image,
+                    began,
+                    started.as_ref().map(|_| ()),
+                );
+            }
+            let pid = started?;
             if restoring {
                 crate::oom::watch(req.id.clone(), pid, inner.oom.clone());
             }
@@ -619,7 +684,16 @@ impl TaskService {
                 "checkpoint needs a path (CheckpointTaskRequest.path or options.image_path)",
             ));
         };
-        c.checkpoint(&image, &opts, request).await?;
+        let began = Instant::now();
+        let done = c.checkpoint(&image, &opts, request).await;
+        self.inner.record(
+            Op::Checkpoint,
+            &req.id,
+            &image,
+            began,
+            done.as_ref().map(|_| ()),
+        );
+        done?;
         self.inner
             .send(TaskCheckpointed {
                 container_id: req.id.clone(),
