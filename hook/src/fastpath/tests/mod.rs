@@ -1,3 +1,4 @@
+use super::dma::plan_windows;
 use super::*;
 use crate::alloc::UnsupportedKind;
 use crate::control::{socket_path, ControlClient, ControlServer, Controller};
@@ -5,7 +6,8 @@ use crate::driver::DriverCall;
 use crate::fake::FakeDriver;
 use crate::gate::GateState;
 use crate::protocol::{Outcome, Reply, Request};
-use gpu_state::image::Compression;
+use gpu_state::image::{Compression, ImageOptions, ImageReader, ImageWriter};
+use std::time::{Duration, Instant};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
