@@ -299,3 +299,80 @@ impl Default for FastPathOptions {
         Self::from_env()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_state::image::Compression;
+
+    #[test]
+    fn options_come_from_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        let d = FastPathOptions::from_env_with(env(&[])).unwrap();
+        assert_eq!(d.image.compression, Compression::None);
+        assert_eq!(d.image.chunk_size, 16 << 20);
+        assert_eq!(d.image.max_in_flight, 32);
+        assert_eq!((d.streams, d.copy_in_staging, d.pin), (4, 512 << 20, true));
+        let o = FastPathOptions::from_env_with(env(&[
+            (ENV_COMPRESSION, "zstd:3"),
+            (ENV_CHUNK_MIB, "64"),
+            (ENV_STAGING_MIB, "256"),
+            (ENV_THREADS, "12"),
+            (ENV_STREAMS, "8"),
+            (ENV_PIN, "0"),
+        ]))
+        .unwrap();
+        assert_eq!(o.image.compression, Compression::Zstd { level: 3 });
+        assert_eq!((o.image.chunk_size, o.image.max_in_flight), (64 << 20, 9));
+        assert_eq!((o.image.threads, o.read_threads, o.streams), (12, 12, 8));
+        assert!(!o.pin);
+        assert!(!d.direct && d.direct_window == 2048 << 20);
+        // The helpers' share: by mode unless set.
+        assert_eq!((d.copy_in_helpers, d.helper_share), (0, None));
+        let h = FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "50")])).unwrap();
+        assert_eq!(h.helper_share, Some(0.5));
+        assert!(FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "150")])).is_err());
+        assert_eq!(d.map_reads, MapReads::Off);
+        for (v, want) in [
+            ("0", MapReads::Off),
+            ("huge", MapReads::HugePages),
+            ("1", MapReads::HugePages),
+            ("tmpfs", MapReads::Tmpfs),
+        ] {
+            let pairs: &'static [(&'static str, &'static str)] =
+                Box::leak(Box::new([(ENV_MAP_READS, v)]));
+            let o = FastPathOptions::from_env_with(env(pairs)).unwrap();
+            assert_eq!(o.map_reads, want, "{v}");
+        }
+        let on = FastPathOptions::from_env_with(env(&[
+            (ENV_DIRECT, "1"),
+            (ENV_DIRECT_WINDOW_MIB, "512"),
+        ]))
+        .unwrap();
+        assert!(on.direct && on.direct_window == 512 << 20);
+        let z = FastPathOptions::from_env_with(env(&[(ENV_COMPRESSION, "zstd")])).unwrap();
+        assert_eq!(z.image.compression, Compression::Zstd { level: 1 });
+        for (var, bad) in [
+            (ENV_COMPRESSION, "lz4"),
+            (ENV_COMPRESSION, "zstd:99"),
+            (ENV_CHUNK_MIB, "0"),
+            (ENV_CHUNK_MIB, "2048"),
+            (ENV_STREAMS, "x"),
+            (ENV_PIN, "yes"),
+            (ENV_DIRECT, "on"),
+            (ENV_DIRECT_WINDOW_MIB, "0"),
+            (ENV_MAP_READS, "yes"),
+        ] {
+            let pairs: &'static [(&'static str, &'static str)] = Box::leak(Box::new([(var, bad)]));
+            let err = FastPathOptions::from_env_with(env(pairs)).unwrap_err();
+            assert_eq!(err.var, var);
+        }
+    }
+}
