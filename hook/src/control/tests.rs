@@ -1,5 +1,17 @@
 use super::*;
+use std::fs::File;
+use std::io::{self};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::driver::DevicePtr;
 use crate::gate::GateState;
+use crate::helper::AheadJob;
+use crate::protocol::{
+    CheckpointState, CopyInReport, CopyOutReport, ErrorKind, HookStatus, MemoryReport, Outcome,
+    PrepareReport, Reply, Request, SnapshotReport, Verb, WarmReport,
+};
 use std::fmt;
 
 /// An engine that counts calls and fails the verbs it is told to.
