@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 use gpu_state::image::{AllocId, ImageError, ImageReader, RawPlace};
 use serde::{Deserialize, Serialize};
 
+use crate::control::wire::{read_frame, write_frame, FrameError};
 use crate::control::{recv_fd_batches, send_fd_batches};
-use crate::protocol::{read_frame, write_frame, FrameError};
 
 /// The helper's end of its socket (an fd number), in its environment.
 pub const ENV_SOCKET_FD: &str = "GPUCR_COPYIN_SOCKET_FD";

@@ -1,15 +1,16 @@
 //! The [`ControlClient`] the shim links.
 
 use std::fs::File;
-use std::io::{self, IoSlice};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::io::{self};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
-use crate::helper::AheadJob;
-use crate::protocol::{
-    read_frame, write_frame, FrameError, Outcome, Reply, Request, MAX_FRAME, MAX_REPLY_FRAME,
+use super::wire::{
+    read_frame, send_frame_with_fds, write_frame, FrameError, MAX_FRAME, MAX_REPLY_FRAME,
 };
+use crate::helper::AheadJob;
+use crate::protocol::{Outcome, Reply, Request};
 
 use super::wire::{recv_fd_batches, send_fd_batches};
 use super::ControlError;
@@ -89,37 +90,7 @@ impl ControlClient {
         req: &Request,
         fds: &[BorrowedFd<'_>],
     ) -> Result<Reply, ControlError> {
-        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
-        let body = serde_json::to_vec(req).map_err(FrameError::from)?;
-        let len = u32::try_from(body.len())
-            .ok()
-            .filter(|l| *l <= MAX_FRAME)
-            .ok_or(FrameError::TooLarge {
-                len: body.len() as u64,
-                max: MAX_FRAME,
-            })?;
-        let mut frame = len.to_be_bytes().to_vec();
-        frame.extend_from_slice(&body);
-        let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
-        let cmsgs = [ControlMessage::ScmRights(&raw)];
-        let cmsgs = if raw.is_empty() { &[][..] } else { &cmsgs[..] };
-        let sent = loop {
-            match sendmsg::<()>(
-                self.stream.as_raw_fd(),
-                &[IoSlice::new(&frame)],
-                cmsgs,
-                MsgFlags::MSG_NOSIGNAL,
-                None,
-            ) {
-                Err(nix::errno::Errno::EINTR) => continue,
-                other => break other.map_err(|e| FrameError::from(io::Error::from(e)))?,
-            }
-        };
-        // The fds went with the first byte; the rest of a short write follows plainly.
-        use std::io::Write;
-        self.stream
-            .write_all(&frame[sent..])
-            .map_err(FrameError::from)?;
+        send_frame_with_fds(&self.stream, req, MAX_FRAME, fds)?;
         Ok(self.read_reply()?.0)
     }
 

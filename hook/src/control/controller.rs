@@ -4,11 +4,12 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use super::wire::MAX_FDS;
 use crate::driver::DevicePtr;
 use crate::helper::AheadJob;
 use crate::protocol::{
     CheckpointState, CopyInReport, CopyOutReport, ErrorKind, HookStatus, MemoryReport, Outcome,
-    PrepareReport, Reply, Request, SnapshotReport, Verb, WarmReport, MAX_FDS,
+    PrepareReport, Reply, Request, SnapshotReport, Verb, WarmReport,
 };
 
 use super::ControlError;

@@ -16,7 +16,8 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-use crate::protocol::{CheckpointState, FrameError, Verb};
+use crate::protocol::{CheckpointState, Verb};
+use wire::FrameError;
 
 mod client;
 mod controller;

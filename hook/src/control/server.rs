@@ -6,9 +6,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use crate::protocol::{
-    parse_request, write_frame, ErrorKind, FrameError, Reply, Request, MAX_FRAME, MAX_REPLY_FRAME,
-};
+use super::wire::{write_frame, FrameError, MAX_FRAME, MAX_REPLY_FRAME};
+use crate::protocol::{parse_request, ErrorKind, Reply, Request};
 
 use super::controller::{Controller, Engine};
 use super::wire::{recv_fd_batches, recv_frame, send_fd_batches};

@@ -865,7 +865,7 @@ fn fast_path_round_trip_with_images_by_fd() {
 #[test]
 fn kept_memory_fds_travel_in_batches_and_come_back() {
     // More fds than one batch carries, and not a multiple of it.
-    let n = 2 * crate::protocol::FD_BATCH + 44;
+    let n = 2 * crate::control::wire::FD_BATCH + 44;
     let (_sock, path, controller) = serve_stub_with(StubEngine {
         keep: n,
         ..StubEngine::default()
