@@ -403,8 +403,8 @@ impl<D: VmmDriver + 'static> FastPath<D> {
 
     /// For an incremental Prepare: the chunks (allocation, index) the GPU hash finds zero
     /// or in the parent chain now, left no place in the data file. Laying out all of them
-    /// would allocate and pin the whole image for the few chunks that change (H200, 16 GiB
-    /// with 1 changing: Prepare 1.2 s + CopyOut 0.39 s against 0.17 s staged). The CopyOut
+    /// would allocate and pin the whole image for the few chunks that change, slower than
+    /// staging them (docs/BENCHMARKS.md). The CopyOut
     /// hashes again when frozen: a chunk that changed meanwhile is staged, one that went
     /// back has its place punched.
     pub(super) fn unchanged_now(

@@ -280,13 +280,13 @@ impl<D: VmmDriver> Drop for Windows<'_, D> {
 
 /// Whether `n` more fds fit under this process's limit.
 pub(super) fn fd_room(n: usize) -> bool {
-    crate::control::FdRoom::now().is_ok_and(|r| r.fits(n))
+    crate::control::wire::FdRoom::now().is_ok_and(|r| r.fits(n))
 }
 
 /// Makes room for `n` more open fds in this process (the exported memory's, until sent
 /// to the shim): raises the soft `RLIMIT_NOFILE` towards the hard one when needed.
 pub(super) fn make_fd_room(n: usize) -> Result<(), String> {
-    use crate::control::FdRoom;
+    use crate::control::wire::FdRoom;
     let room = FdRoom::now().map_err(|e| format!("cannot read the fd limit: {e}"))?;
     let need = room.open + n as u64 + FdRoom::SPARE;
     if need <= room.soft {

@@ -66,8 +66,8 @@ pub struct FastPathOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MapReads {
     /// Always `read(2)` (`GPUCR_HOOK_MAP_READS=0`, the default): with 16 MiB chunks
-    /// the H200's copy-in waits on the DMA, not on the readers, and mapping gained
-    /// nothing there (33.5–35.3 vs 36.1 GB/s; populating the map costs ~10 ms).
+    /// the copy-in waits on the DMA, not on the readers, so mapping gains nothing
+    /// measurable and populating the map costs time (docs/BENCHMARKS.md).
     Off,
     /// Images on a tmpfs that keeps them in huge pages (`huge` or `1`): 6% faster than
     /// `read(2)` when the readers bound the copy-in (32 MiB chunks: 16 buffers for 12
@@ -98,10 +98,9 @@ pub const ENV_HELPER_SHARE: &str = "GPUCR_HOOK_HELPER_SHARE";
 
 /// Hook defaults: 16 MiB chunks (few calls per GB, and 32 buffers in each 512 MiB
 /// staging pool: with 16 of 32 MiB the 12 readers and 4 copies in flight held every
-/// buffer and waited on each other — on the H200 16 GiB went in at 41 GB/s with 16 MiB
-/// against 35 with 32 MiB in one run, and out 1.05–1.3× faster), no compression (model
-/// weights barely compress, and zstd caps a worker near 1 GB/s), 512 MiB of staging
-/// each way.
+/// buffer and waited on each other, so both directions were slower), no compression
+/// (model weights barely compress, and zstd costs a worker far more than it saves),
+/// 512 MiB of staging each way. Figures: docs/BENCHMARKS.md.
 const DEFAULT_CHUNK_MIB: usize = 16;
 const DEFAULT_STAGING_MIB: usize = 512;
 const DEFAULT_STREAMS: usize = 4;
@@ -110,11 +109,11 @@ const DEFAULT_DIRECT_WINDOW_MIB: usize = 2048;
 /// Free device memory a snapshot leaves the workload (for the seconds of the write).
 const DEFAULT_SNAPSHOT_HEADROOM_MIB: usize = 1024;
 /// What the copy-in helpers take together when their jobs come with the copy-in: the
-/// best of 25–50% with two helpers on the H200 (16 GiB; 40% and more left the helpers
-/// the last to finish, pinning as they went).
+/// best measured share with two helpers (a larger one left the helpers the last to
+/// finish, pinning as they went).
 pub(super) const HELPER_SHARE_AT_COPY_IN: f64 = 0.3;
-/// ... and when Warm sent the jobs ahead: the best of 30/50/70% (16 GiB, two helpers:
-/// 38.4 / 44.2–45.0 / 48.0 GB/s against 35.5–37.9 staged alone, session 10).
+/// ... and when Warm sent the jobs ahead (their pinning is done by the copy-in): the
+/// best of the shares measured (docs/BENCHMARKS.md).
 pub(super) const HELPER_SHARE_AHEAD: f64 = 0.7;
 
 /// A bad hook copy setting in the environment.
