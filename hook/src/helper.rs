@@ -10,21 +10,19 @@
 //! while two others register and DMA went faster than staging alone), and a registered
 //! chunk costs one pass. Figures: docs/BENCHMARKS.md.
 //!
-//! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes
-//! a while), or — in a restore, where the hook first answers only after CRIU's restore —
-//! by the shim on the host before `runc restore`, which sends them their jobs itself
-//! ([`plan_image_jobs`]) and hands their sockets to the hook with Warm ([`AheadJob`]).
-//! A helper's work comes in two parts: a [`Job`] — the pieces it copies (chunk →
-//! allocation offset) with the image's data files as fds — which it starts pinning at
-//! once, and a [`Go`] with the memory fds of the allocations the pieces land in
-//! (exported by the hook once its memory exists again, imported there and mapped), after
-//! which it copies. Warm with an image sends the jobs at once, so the pinning (a fraction of a second
-//! per few GB) runs while the driver restores the process and the copy-in
-//! itself is DMA from pinned pages; without one, the copy-in sends Job and Go together.
-//! A helper replies Done or Failed; what a failed helper had is staged afterwards.
-//! Nothing a helper copies is trusted: only chunks with a gh1 digest go to helpers, and
-//! the copy-in checks them on the GPU after. Helpers never outlive the copy-in (or a
-//! Thaw): no checkpoint meets one.
+//! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes a while),
+//! or — in a restore, where the hook first answers only after CRIU's restore — by the shim on the
+//! host before `runc restore`, which sends them their jobs itself ([`plan_image_jobs`]) and hands
+//! their sockets to the hook with Warm ([`AheadJob`]). A helper's work comes in two parts: a
+//! [`Job`] — the pieces it copies (chunk → allocation offset) with the image's data files as fds —
+//! which it starts pinning at once, and a [`Go`] with the memory fds of the allocations the pieces
+//! land in (exported by the hook once its memory exists again, imported there and mapped), after
+//! which it copies. Warm with an image sends the jobs at once, so the pinning (a fraction of a
+//! second per few GB) runs while the driver restores the process and the copy-in itself is DMA from
+//! pinned pages; without one, the copy-in sends Job and Go together. A helper replies Done or
+//! Failed; what a failed helper had is staged afterwards. Nothing a helper copies is trusted: only
+//! chunks with a gh1 digest go to helpers, and the copy-in checks them on the GPU after. Helpers
+//! never outlive the copy-in (or a Thaw): no checkpoint meets one.
 
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};

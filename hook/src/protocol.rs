@@ -1,25 +1,25 @@
-//! The control protocol's messages. Their framing ([`crate::control::wire`]): a frame is
-//! a 4-byte big-endian length followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
-//! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is
-//! `{"ok": {...}}` or `{"error": {"kind": "...", "message": "..."}}`.
+//! The control protocol's messages. Their framing ([`crate::control::wire`]): a frame is a 4-byte
+//! big-endian length followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
+//! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is `{"ok": {...}}`
+//! or `{"error": {"kind": "...", "message": "..."}}`.
 //!
-//! **Directories by fd.** The hook lives in the container's mount namespace and cannot
-//! see the shim's paths, so a request may carry open directory fds (SCM_RIGHTS with the
-//! frame's bytes, at most [`MAX_FDS`](crate::control::wire::MAX_FDS)). Then its paths are relative, like `openat`:
-//! CopyOut's `image_dir` is a new name inside the first fd and its `parent` is inside the
-//! second (`.` for the fd itself); CopyIn's `image_dir` is inside the first fd. The hook
-//! reaches them as `/proc/self/fd/<n>/...`, which works across mount namespaces. Fds
-//! given with CopyOut stay open while the hook is CopiedOut (a Release that fails
-//! half-way refills from that image) and are closed when it leaves that state; all
-//! other fds are closed after the verb. Requests without fds use absolute paths.
+//! **Directories by fd.** The hook lives in the container's mount namespace and cannot see the
+//! shim's paths, so a request may carry open directory fds (SCM_RIGHTS with the frame's bytes, at
+//! most [`MAX_FDS`](crate::control::wire::MAX_FDS)). Then its paths are relative, like `openat`:
+//! CopyOut's `image_dir` is a new name inside the first fd and its `parent` is inside the second
+//! (`.` for the fd itself); CopyIn's `image_dir` is inside the first fd. The hook reaches them as
+//! `/proc/self/fd/<n>/...`, which works across mount namespaces. Fds given with CopyOut stay open
+//! while the hook is CopiedOut (a Release that fails half-way refills from that image) and are
+//! closed when it leaves that state; all other fds are closed after the verb. Requests without fds
+//! use absolute paths.
 //!
-//! **Memory by fd.** `Release` with `keep` exports each allocation's physical memory as
-//! an fd before releasing it; the reply lists their addresses in `held`, and the fds
-//! follow the reply frame in batches (one byte `F` with at most [`FD_BATCH`](crate::control::wire::FD_BATCH) fds each,
-//! as many batches as `held` needs). Whoever holds the fds keeps the memory on the GPU:
-//! the shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach`
-//! gives them back the same way (the request frame, then the batches) and the hook maps
-//! them at their addresses again: no copy-in.
+//! **Memory by fd.** `Release` with `keep` exports each allocation's physical memory as an fd
+//! before releasing it; the reply lists their addresses in `held`, and the fds follow the reply
+//! frame in batches (one byte `F` with at most [`FD_BATCH`](crate::control::wire::FD_BATCH) fds
+//! each, as many batches as `held` needs). Whoever holds the fds keeps the memory on the GPU: the
+//! shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach` gives them back
+//! the same way (the request frame, then the batches) and the hook maps them at their addresses
+//! again: no copy-in.
 //!
 //! **Snapshot.** `Snapshot` (while Frozen) copies every allocation device to device into
 //! one region of new memory, exports that region (the reply's `held` is its address, one

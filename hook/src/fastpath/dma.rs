@@ -1,4 +1,5 @@
-//! DMA plumbing the copies share: pinning staging pools, copies in flight, direct-I/O windows and fd room.
+//! DMA plumbing the copies share: pinning staging pools, copies in flight, direct-I/O windows and
+//! fd room.
 
 use std::collections::VecDeque;
 use std::sync::mpsc;

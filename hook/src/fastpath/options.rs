@@ -1,4 +1,5 @@
-//! The hook's copy settings: the `GPUCR_HOOK_*` environment variables, parsed once into [`FastPathOptions`].
+//! The hook's copy settings: the `GPUCR_HOOK_*` environment variables, parsed once into
+//! [`FastPathOptions`].
 
 use std::path::PathBuf;
 use std::time::Duration;
