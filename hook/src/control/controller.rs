@@ -328,7 +328,7 @@ fn resolve_fd_paths(req: &Request, fds: &[OwnedFd]) -> Result<Request, ControlEr
 }
 
 /// `err` and its sources, joined with ": ".
-fn error_chain(err: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
     let mut msg = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {

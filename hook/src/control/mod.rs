@@ -26,6 +26,7 @@ mod state;
 pub mod wire;
 
 pub use client::ControlClient;
+pub(crate) use controller::error_chain;
 pub use controller::{Controller, Engine};
 pub use server::{socket_path, ControlServer};
 pub use wire::{recv_fd_batches, send_fd_batches, FdRoom};

@@ -8,6 +8,8 @@ use std::time::{Duration, Instant};
 
 use gpu_state::image::StagingPin;
 
+use thiserror::Error;
+
 use crate::driver::{DriverError, VmmDriver};
 
 /// Pins staging pools through the driver (`cuMemHostRegister`), once per pool.
@@ -286,20 +288,34 @@ pub(super) fn fd_room(n: usize) -> bool {
 
 /// Makes room for `n` more open fds in this process (the exported memory's, until sent
 /// to the shim): raises the soft `RLIMIT_NOFILE` towards the hard one when needed.
-pub(super) fn make_fd_room(n: usize) -> Result<(), String> {
+pub(super) fn make_fd_room(n: usize) -> Result<(), FdRoomError> {
     use crate::control::wire::FdRoom;
-    let room = FdRoom::now().map_err(|e| format!("cannot read the fd limit: {e}"))?;
+    let room = FdRoom::now().map_err(FdRoomError::Read)?;
     let need = room.open + n as u64 + FdRoom::SPARE;
     if need <= room.soft {
         return Ok(());
     }
     if need > room.hard {
-        return Err(format!(
-            "{n} allocations need {need} open fds, above the fd limit ({}); raise the \
-             container's RLIMIT_NOFILE",
-            room.hard
-        ));
+        return Err(FdRoomError::AboveLimit {
+            n,
+            need,
+            hard: room.hard,
+        });
     }
     nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, need, room.hard)
-        .map_err(|e| format!("setrlimit: {e}"))
+        .map_err(FdRoomError::Raise)
+}
+
+/// Why [`make_fd_room`] found no room.
+#[derive(Debug, Error)]
+pub enum FdRoomError {
+    #[error("cannot read the fd limit")]
+    Read(#[source] std::io::Error),
+    #[error(
+        "{n} allocations need {need} open fds, above the fd limit ({hard}); raise the \
+         container's RLIMIT_NOFILE"
+    )]
+    AboveLimit { n: usize, need: u64, hard: u64 },
+    #[error("setrlimit")]
+    Raise(#[source] nix::Error),
 }

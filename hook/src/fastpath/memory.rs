@@ -6,10 +6,12 @@ use std::time::Instant;
 
 use gpu_state::image::ImageReader;
 
-use super::dma::make_fd_room;
+use super::dma::{make_fd_room, FdRoomError};
 use super::{FastPath, FastPathError};
+use thiserror::Error;
+
 use crate::alloc::{AllocError, AllocState, Allocation};
-use crate::driver::{fd_identity, DevicePtr, VmmDriver};
+use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
 use crate::protocol::{CopyOutReport, MemoryReport, SnapshotReport};
 use crate::snapshot::Snapshot;
 
@@ -25,6 +27,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             .collect();
         let exported = if keep && self.opts.keep {
             self.export_all(&mapped).unwrap_or_else(|why| {
+                let why = crate::control::error_chain(&why);
                 tracing::info!(allocations = mapped.len(), "device memory not kept: {why}");
                 Vec::new()
             })
@@ -80,14 +83,14 @@ impl<D: VmmDriver + 'static> FastPath<D> {
     pub(super) fn export_all(
         &self,
         allocs: &[Allocation],
-    ) -> Result<Vec<(DevicePtr, OwnedFd)>, String> {
+    ) -> Result<Vec<(DevicePtr, OwnedFd)>, KeepError> {
         make_fd_room(allocs.len())?;
         let mut out = Vec::with_capacity(allocs.len());
         for a in allocs {
             match self.allocator.export(a.va) {
                 Ok(Some(fd)) => out.push((a.va, fd)),
-                Ok(None) => return Err("the driver cannot export it".into()),
-                Err(e) => return Err(format!("export of {:#x} failed: {e}", a.va)),
+                Ok(None) => return Err(KeepError::NotExportable),
+                Err(source) => return Err(KeepError::Export { va: a.va, source }),
             }
         }
         Ok(out)
@@ -104,7 +107,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             ));
         }
         let mapped = self.mapped()?;
-        make_fd_room(1).map_err(FastPathError::NotKeepable)?;
+        make_fd_room(1).map_err(|e| FastPathError::NotKeepable(e.into()))?;
         let t = Instant::now();
         let mut snap = Snapshot::take(self.driver(), &mapped, self.opts.snapshot_headroom)?;
         let copy_seconds = t.elapsed().as_secs_f64();
@@ -113,9 +116,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             Ok(Some(fd)) => fd,
             Ok(None) => {
                 snap.free(driver);
-                return Err(FastPathError::NotKeepable(
-                    "the driver cannot export the snapshot".into(),
-                ));
+                return Err(FastPathError::NotKeepable(KeepError::SnapshotNotExportable));
             }
             Err(e) => {
                 snap.free(driver);
@@ -140,9 +141,10 @@ impl<D: VmmDriver + 'static> FastPath<D> {
             snap.free(driver);
             return Err(match undo {
                 Ok(()) => e.into(),
-                Err(u) => FastPathError::NotKeepable(format!(
-                    "{e}; restoring the released allocations from the snapshot failed: {u}"
-                )),
+                Err(u) => FastPathError::NotKeepable(KeepError::SnapshotUndo {
+                    release: e,
+                    undo: Box::new(u),
+                }),
             });
         }
         let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
@@ -367,4 +369,27 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         }
         Ok(report)
     }
+}
+
+/// Why device memory cannot be kept on the GPU (a Release with `keep`, a Snapshot).
+#[derive(Debug, Error)]
+pub enum KeepError {
+    #[error(transparent)]
+    FdRoom(#[from] FdRoomError),
+    #[error("the driver cannot export it")]
+    NotExportable,
+    #[error("the driver cannot export the snapshot")]
+    SnapshotNotExportable,
+    #[error("export of {va:#x} failed")]
+    Export {
+        va: DevicePtr,
+        #[source]
+        source: AllocError,
+    },
+    #[error("{release}; restoring the released allocations from the snapshot failed")]
+    SnapshotUndo {
+        release: DriverError,
+        #[source]
+        undo: Box<FastPathError>,
+    },
 }

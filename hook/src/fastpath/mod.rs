@@ -38,6 +38,8 @@ mod memory;
 mod options;
 
 use dma::DriverPin;
+pub use dma::FdRoomError;
+pub use memory::KeepError;
 pub use options::*;
 
 /// Fast path errors.
@@ -87,8 +89,8 @@ pub enum FastPathError {
     NotKept(String),
     #[error("no snapshot: {0}")]
     NoSnapshot(&'static str),
-    #[error("device memory cannot be kept on the GPU: {0}")]
-    NotKeepable(String),
+    #[error("device memory cannot be kept on the GPU")]
+    NotKeepable(#[source] KeepError),
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
     #[error("copy-out not prepared: {0}; the CopyOut copies through staging buffers")]
