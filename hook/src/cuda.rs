@@ -579,7 +579,7 @@ impl VmmDriver for CudaDriver {
         self.bind();
         check(call, unsafe { dtod(dst, src, csize(call, len)?) })?;
         // cuMemcpyDtoD returns before a device-to-device copy is done: wait, or the
-        // caller unmaps memory the copy still reads (an illegal address, seen on the H200,
+        // caller unmaps memory the copy still reads (an illegal address, seen on a GPU,
         // and the context is lost).
         check(call, unsafe { (self.sync)() })
     }

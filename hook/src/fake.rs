@@ -10,7 +10,7 @@
 //! [`VmmDriver::import`] of that fd (after the release; sharing one allocation between
 //! live handles is not modelled) gives them a new handle. The fake cannot see an fd
 //! close, so exported memory lives on until imported (once: the import spends it). An imported handle cannot be
-//! exported again (as the H200's driver behaved: a second keep after a reattach kept
+//! exported again (as the real driver behaves: a second keep after a reattach kept
 //! nothing).
 //!
 //! Async copies are honest about their timing: issuing one only checks it and queues

@@ -5,26 +5,24 @@
 //! Why processes: inside one process the driver does not pin host memory while copies
 //! run (register + DMA take their sum, `tests/gpu/register_probe.cu`), and a staged
 //! copy-in costs three passes over host memory (read the page cache, write the pinned
-//! buffer, DMA reads it), which bounds it at 31–36 GB/s on the H200's host. Across
-//! processes pinning and copies overlap (`tests/gpu/xproc_probe.cu`: 10 GiB staged by one
-//! process and 2 × 3 GiB registered and DMA'd by two others, 44–47 GB/s), and a
-//! registered chunk costs one pass.
+//! buffer, DMA reads it), which bounds it by the host's memory bandwidth. Across
+//! processes pinning and copies overlap (`tests/gpu/xproc_probe.cu`: one process staging
+//! while two others register and DMA went faster than staging alone), and a registered
+//! chunk costs one pass. Figures: docs/BENCHMARKS.md.
 //!
-//! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes
-//! a while), or — in a restore, where the hook first answers only after CRIU's restore —
-//! by the shim on the host before `runc restore`, which sends them their jobs itself
-//! ([`plan_image_jobs`]) and hands their sockets to the hook with Warm ([`AheadJob`]).
-//! A helper's work comes in two parts: a [`Job`] — the pieces it copies (chunk →
-//! allocation offset) with the image's data files as fds — which it starts pinning at
-//! once, and a [`Go`] with the memory fds of the allocations the pieces land in
-//! (exported by the hook once its memory exists again, imported there and mapped), after
-//! which it copies. Warm with an image sends the jobs at once, so the pinning (0.1–0.3 s
-//! per 2.6–6 GB on the H200) runs while the driver restores the process and the copy-in
-//! itself is DMA from pinned pages; without one, the copy-in sends Job and Go together.
-//! A helper replies Done or Failed; what a failed helper had is staged afterwards.
-//! Nothing a helper copies is trusted: only chunks with a gh1 digest go to helpers, and
-//! the copy-in checks them on the GPU after. Helpers never outlive the copy-in (or a
-//! Thaw): no checkpoint meets one.
+//! The helpers are spawned by Warm, before the copy-in is due (their CUDA context takes a while),
+//! or — in a restore, where the hook first answers only after CRIU's restore — by the shim on the
+//! host before `runc restore`, which sends them their jobs itself ([`plan_image_jobs`]) and hands
+//! their sockets to the hook with Warm ([`AheadJob`]). A helper's work comes in two parts: a
+//! [`Job`] — the pieces it copies (chunk → allocation offset) with the image's data files as fds —
+//! which it starts pinning at once, and a [`Go`] with the memory fds of the allocations the pieces
+//! land in (exported by the hook once its memory exists again, imported there and mapped), after
+//! which it copies. Warm with an image sends the jobs at once, so the pinning (a fraction of a
+//! second per few GB) runs while the driver restores the process and the copy-in itself is DMA from
+//! pinned pages; without one, the copy-in sends Job and Go together. A helper replies Done or
+//! Failed; what a failed helper had is staged afterwards. Nothing a helper copies is trusted: only
+//! chunks with a gh1 digest go to helpers, and the copy-in checks them on the GPU after. Helpers
+//! never outlive the copy-in (or a Thaw): no checkpoint meets one.
 
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
@@ -36,8 +34,7 @@ use std::time::{Duration, Instant};
 use gpu_state::image::{AllocId, ImageError, ImageReader, RawPlace};
 use serde::{Deserialize, Serialize};
 
-use crate::control::{recv_fd_batches, send_fd_batches};
-use crate::protocol::{read_frame, write_frame, FrameError};
+use crate::control::wire::{read_frame, recv_fd_batches, send_fd_batches, write_frame, FrameError};
 
 /// The helper's end of its socket (an fd number), in its environment.
 pub const ENV_SOCKET_FD: &str = "GPUCR_COPYIN_SOCKET_FD";

@@ -117,8 +117,8 @@ impl<D: VmmDriver> Registered<D> {
 }
 
 impl<D: VmmDriver> Drop for Registered<D> {
-    /// One window after the other: on the H200 the driver's unregisters do not run in
-    /// parallel (0.28 s for 16 GiB on 8 threads as on one), nor overlap the copies.
+    /// One window after the other: the driver's unregisters do not run in parallel
+    /// (as long on many threads as on one), nor overlap the copies.
     fn drop(&mut self) {
         for &(at, _) in &self.windows {
             if let Err(e) = self.driver.unregister_host(at as *mut u8) {

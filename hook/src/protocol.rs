@@ -1,25 +1,25 @@
-//! The control protocol's messages and framing: a frame is a 4-byte big-endian length
-//! followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
-//! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is
-//! `{"ok": {...}}` or `{"error": {"kind": "...", "message": "..."}}`.
+//! The control protocol's messages. Their framing ([`crate::control::wire`]): a frame is a 4-byte
+//! big-endian length followed by that many bytes of JSON. A request is `{"verb": "Freeze"}`,
+//! `{"verb": "CopyOut", "image_dir": "...", "parent": null}` and so on; a reply is `{"ok": {...}}`
+//! or `{"error": {"kind": "...", "message": "..."}}`.
 //!
-//! **Directories by fd.** The hook lives in the container's mount namespace and cannot
-//! see the shim's paths, so a request may carry open directory fds (SCM_RIGHTS with the
-//! frame's bytes, at most [`MAX_FDS`]). Then its paths are relative, like `openat`:
-//! CopyOut's `image_dir` is a new name inside the first fd and its `parent` is inside the
-//! second (`.` for the fd itself); CopyIn's `image_dir` is inside the first fd. The hook
-//! reaches them as `/proc/self/fd/<n>/...`, which works across mount namespaces. Fds
-//! given with CopyOut stay open while the hook is CopiedOut (a Release that fails
-//! half-way refills from that image) and are closed when it leaves that state; all
-//! other fds are closed after the verb. Requests without fds use absolute paths.
+//! **Directories by fd.** The hook lives in the container's mount namespace and cannot see the
+//! shim's paths, so a request may carry open directory fds (SCM_RIGHTS with the frame's bytes, at
+//! most [`MAX_FDS`](crate::control::wire::MAX_FDS)). Then its paths are relative, like `openat`:
+//! CopyOut's `image_dir` is a new name inside the first fd and its `parent` is inside the second
+//! (`.` for the fd itself); CopyIn's `image_dir` is inside the first fd. The hook reaches them as
+//! `/proc/self/fd/<n>/...`, which works across mount namespaces. Fds given with CopyOut stay open
+//! while the hook is CopiedOut (a Release that fails half-way refills from that image) and are
+//! closed when it leaves that state; all other fds are closed after the verb. Requests without fds
+//! use absolute paths.
 //!
-//! **Memory by fd.** `Release` with `keep` exports each allocation's physical memory as
-//! an fd before releasing it; the reply lists their addresses in `held`, and the fds
-//! follow the reply frame in batches (one byte `F` with at most [`FD_BATCH`] fds each,
-//! as many batches as `held` needs). Whoever holds the fds keeps the memory on the GPU:
-//! the shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach`
-//! gives them back the same way (the request frame, then the batches) and the hook maps
-//! them at their addresses again: no copy-in.
+//! **Memory by fd.** `Release` with `keep` exports each allocation's physical memory as an fd
+//! before releasing it; the reply lists their addresses in `held`, and the fds follow the reply
+//! frame in batches (one byte `F` with at most [`FD_BATCH`](crate::control::wire::FD_BATCH) fds
+//! each, as many batches as `held` needs). Whoever holds the fds keeps the memory on the GPU: the
+//! shim, across the driver's checkpoint of a leave-running checkpoint. `Reattach` gives them back
+//! the same way (the request frame, then the batches) and the hook maps them at their addresses
+//! again: no copy-in.
 //!
 //! **Snapshot.** `Snapshot` (while Frozen) copies every allocation device to device into
 //! one region of new memory, exports that region (the reply's `held` is its address, one
@@ -39,27 +39,13 @@
 //! connection that sent it. Refused, changing nothing,
 //! where the image cannot take direct copies (not tmpfs, compression, pinning off).
 
-use std::io::{self, Read, Write};
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
 use crate::alloc::Unsupported;
 use crate::gate::GateState;
 use crate::helper::AheadJob;
-
-/// Largest request frame the hook accepts (a Warm handing over helpers lists their
-/// chunks: a few bytes per 16 MiB chunk).
-pub const MAX_FRAME: u32 = 4 << 20;
-/// Most fds one request may carry (CopyOut, Prepare: the image's directory and its parent).
-pub const MAX_FDS: usize = 2;
-/// Largest reply frame (a Status lists every unsupported allocation).
-pub const MAX_REPLY_FRAME: u32 = 16 << 20;
-/// Most memory fds in one batch (the kernel takes at most 253 per message).
-pub const FD_BATCH: usize = 128;
-/// Most memory fds one Release or Reattach moves.
-pub const MAX_HELD: usize = 1 << 16;
 
 /// A request on the control socket.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -415,56 +401,6 @@ impl Reply {
     }
 }
 
-/// Framing errors.
-#[derive(Debug, Error)]
-pub enum FrameError {
-    #[error("frame of {len} bytes is larger than {max}")]
-    TooLarge { len: u64, max: u32 },
-    #[error("connection closed")]
-    Closed,
-    #[error("frame I/O: {0}")]
-    Io(#[from] io::Error),
-    #[error("frame is not valid JSON for this message: {0}")]
-    Json(#[from] serde_json::Error),
-}
-
-/// Reads one frame of at most `max` bytes; [`FrameError::Closed`] at a clean end of
-/// stream.
-pub fn read_frame(r: &mut impl Read, max: u32) -> Result<Vec<u8>, FrameError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
-        Err(e) => return Err(e.into()),
-    }
-    let len = u32::from_be_bytes(len);
-    if len > max {
-        return Err(FrameError::TooLarge {
-            len: len.into(),
-            max,
-        });
-    }
-    let mut buf = vec![0u8; len as usize];
-    r.read_exact(&mut buf)?;
-    Ok(buf)
-}
-
-/// Writes `msg` as one frame of at most `max` bytes.
-pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T, max: u32) -> Result<(), FrameError> {
-    let bytes = serde_json::to_vec(msg)?;
-    let len = u32::try_from(bytes.len())
-        .ok()
-        .filter(|l| *l <= max)
-        .ok_or(FrameError::TooLarge {
-            len: bytes.len() as u64,
-            max,
-        })?;
-    w.write_all(&len.to_be_bytes())?;
-    w.write_all(&bytes)?;
-    w.flush()?;
-    Ok(())
-}
-
 /// Parses a request frame, telling malformed requests from unknown verbs.
 pub fn parse_request(bytes: &[u8]) -> Result<Request, ErrorReply> {
     let value: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| ErrorReply {
@@ -538,36 +474,6 @@ mod tests {
         assert_eq!(serde_json::to_string(&reply).unwrap(), r#"{"ok":"Thawed"}"#);
     }
 
-    /// A frame written to a peer that went away (a shim or helper gone) fails with EPIPE
-    /// and raises no SIGPIPE, whose default action would kill the workload the hook lives
-    /// in (C and Python programs keep it): std's `UnixStream` writes with MSG_NOSIGNAL.
-    /// Run in a child with SIGPIPE's default action.
-    #[test]
-    fn writes_to_a_closed_peer_fail_without_sigpipe() {
-        use nix::sys::signal::{signal, SigHandler, Signal};
-        use nix::sys::wait::{waitpid, WaitStatus};
-        use nix::unistd::{fork, ForkResult};
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
-        drop(theirs);
-        let frame = [0u8, 0, 0, 2, b'{', b'}'];
-        // SAFETY: the child makes only async-signal-safe calls (no allocation) and exits.
-        match unsafe { fork() }.unwrap() {
-            ForkResult::Child => {
-                let code = unsafe {
-                    let _ = signal(Signal::SIGPIPE, SigHandler::SigDfl);
-                    match (&ours).write_all(&frame) {
-                        Err(e) if e.raw_os_error() == Some(nix::libc::EPIPE) => 0,
-                        _ => 1,
-                    }
-                };
-                unsafe { nix::libc::_exit(code) }
-            }
-            ForkResult::Parent { child } => {
-                assert_eq!(waitpid(child, None).unwrap(), WaitStatus::Exited(child, 0));
-            }
-        }
-    }
-
     #[test]
     fn bad_requests_are_classified() {
         let kind = |b: &[u8]| parse_request(b).unwrap_err().kind;
@@ -577,31 +483,5 @@ mod tests {
         assert_eq!(kind(br#"{"verb":"Explode"}"#), ErrorKind::UnknownVerb);
         assert_eq!(kind(br#"{"verb":"CopyIn"}"#), ErrorKind::BadRequest);
         assert_eq!(kind(br#"{"verb":"Thaw","extra":1}"#), ErrorKind::BadRequest);
-    }
-
-    #[test]
-    fn frames_round_trip_and_refuse_oversize() {
-        let mut buf = Vec::new();
-        write_frame(&mut buf, &Request::Freeze, MAX_FRAME).unwrap();
-        let mut r = &buf[..];
-        assert_eq!(
-            parse_request(&read_frame(&mut r, MAX_FRAME).unwrap()).unwrap(),
-            Request::Freeze
-        );
-        assert!(matches!(
-            read_frame(&mut r, MAX_FRAME),
-            Err(FrameError::Closed)
-        ));
-
-        let huge = (MAX_FRAME + 1).to_be_bytes();
-        assert!(matches!(
-            read_frame(&mut &huge[..], MAX_FRAME),
-            Err(FrameError::TooLarge { .. })
-        ));
-        let short = [0, 0, 0, 10, b'{'];
-        assert!(matches!(
-            read_frame(&mut &short[..], MAX_FRAME),
-            Err(FrameError::Io(_))
-        ));
     }
 }

@@ -1,6 +1,7 @@
 //! A snapshot of device memory on the device: every allocation copied device to device
-//! (HBM speed: 16 GiB in about 10 ms on the H200) into one region of new memory, so a
-//! leave-running checkpoint can let the workload run again before the image is written.
+//! (at device memory speed, far faster than any copy to the host) into one region of new
+//! memory, so a leave-running checkpoint can let the workload run again before the image
+//! is written.
 //!
 //! The region is exportable memory: across the driver's checkpoint it is released and
 //! held by the shim as an fd (the driver moves none of it) while the allocations' own

@@ -1,5 +1,17 @@
 use super::*;
+use std::fs::File;
+use std::io::{self};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::driver::DevicePtr;
 use crate::gate::GateState;
+use crate::helper::AheadJob;
+use crate::protocol::{
+    CheckpointState, CopyInReport, CopyOutReport, ErrorKind, HookStatus, MemoryReport, Outcome,
+    PrepareReport, Reply, Request, SnapshotReport, Verb, WarmReport,
+};
 use std::fmt;
 
 /// An engine that counts calls and fails the verbs it is told to.
@@ -853,7 +865,7 @@ fn fast_path_round_trip_with_images_by_fd() {
 #[test]
 fn kept_memory_fds_travel_in_batches_and_come_back() {
     // More fds than one batch carries, and not a multiple of it.
-    let n = 2 * crate::protocol::FD_BATCH + 44;
+    let n = 2 * crate::control::wire::FD_BATCH + 44;
     let (_sock, path, controller) = serve_stub_with(StubEngine {
         keep: n,
         ..StubEngine::default()
