@@ -22,12 +22,15 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     container::Container,
-    error::{Error, IoContext, Result},
+    error::{Error, IoContext, Result, TaskLeft},
     gpu,
     gpu_hook::{self, HookCheckpoint, HookRecord},
     hook_spec, host, layout,
     options::CheckpointRequest,
-    process::state::{InitState, Verb},
+    process::{
+        init::InitProcess,
+        state::{InitState, Verb},
+    },
     runc::CheckpointOpts,
 };
 
@@ -116,9 +119,14 @@ pub fn image_bytes(image: &Path) -> u64 {
 /// CRIU errors that appear in every run on some hosts and never cause a failure.
 const HARMLESS_CRIU_ERRORS: [&str; 1] = ["rlimit: Can't setup RLIMIT_NOFILE for self"];
 
-/// First error line CRIU wrote to a dump or restore log (known-harmless lines skipped).
+/// First error line CRIU wrote to a dump or restore log (known-harmless lines skipped), in
+/// the log's last `criu_log::TAIL_BYTES`; a line naming an errno an operator can act on
+/// (a full disk) wins over CRIU's later `exited, status=2`.
 pub fn criu_first_error(log: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(log).ok()?;
+    let text = crate::criu_log::tail(log, crate::criu_log::TAIL_BYTES)?;
+    if let Some((_, line)) = crate::criu_log::Cause::find(&text) {
+        return Some(line);
+    }
     text.lines()
         .filter(|l| l.contains("Error (") || l.starts_with("Error"))
         .find(|l| !HARMLESS_CRIU_ERRORS.iter().any(|h| l.contains(h)))
@@ -264,7 +272,7 @@ impl Container {
         req: &CheckpointRequest,
         request: Option<Duration>,
     ) -> Result<()> {
-        let init = self.init.lock().await;
+        let mut init = self.init.lock().await;
         init.state.next(Verb::Checkpoint)?;
         let work = self.work_dir(req);
         if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
@@ -341,16 +349,22 @@ impl Container {
             let log = work.join("dump.log");
             let kept = self.bundle.join("criu-dump.log");
             let _ = std::fs::copy(&log, &kept);
-            let mut msg = match (&e, criu_first_error(&log)) {
-                (Error::TimedOut { .. }, _) => format!(
+            let tail = crate::criu_log::tail(&log, crate::criu_log::TAIL_BYTES);
+            let cause = tail.as_deref().and_then(crate::criu_log::Cause::find);
+            let mut msg = match (&e, cause, criu_first_error(&log)) {
+                (Error::TimedOut { .. }, _, _) => format!(
                     "{e} (deadline: {}); CRIU's dump was cut short",
                     deadline.source
                 ),
-                (_, Some(line)) => format!("{e}; CRIU: {line}"),
-                (_, None) => e.to_string(),
+                (_, Some((cause, line)), _) => format!(
+                    "{} (CRIU: {line})",
+                    cause.describe(&[image, work.as_path()])
+                ),
+                (_, None, Some(line)) => format!("{e}; CRIU: {line}"),
+                (_, None, None) => e.to_string(),
             };
             // Thaw first: the driver's restore runs a thread inside the process.
-            self.ensure_running(init.state).await;
+            let left = self.settle_after_failed_dump(&mut init).await;
             if let Some(q) = quiesced {
                 if let Err(g) = self.resume_gpu(q, init.state).await {
                     msg = format!("{msg}; and then {g}");
@@ -363,6 +377,7 @@ impl Container {
             return Err(Error::Checkpoint {
                 id: self.id.clone(),
                 msg,
+                left,
                 log: Some(kept),
             });
         }
@@ -419,6 +434,7 @@ impl Container {
                 return Err(Error::Checkpoint {
                     id: self.id.clone(),
                     msg,
+                    left: TaskLeft::from(init.state),
                     log: None,
                 });
             };
@@ -502,6 +518,7 @@ impl Container {
         res.map(Some).map_err(|e| Error::Checkpoint {
             id: self.id.clone(),
             msg: e.to_string(),
+            left: TaskLeft::from(state),
             log: None,
         })
     }
@@ -578,6 +595,7 @@ impl Container {
         let q = res.map_err(|e| Error::Checkpoint {
             id: self.id.clone(),
             msg: e.to_string(),
+            left: TaskLeft::from(state),
             log: None,
         })?;
         if let Some(q) = &q {
@@ -601,17 +619,45 @@ impl Container {
         Ok(true)
     }
 
-    /// After a failed dump: the task must be running again unless the client paused it.
-    async fn ensure_running(&self, ours: InitState) {
-        if ours != InitState::Running {
-            return;
-        }
-        if let Ok(st) = self.runc.state(&self.id).await {
-            if st.status == "paused" {
-                if let Err(e) = self.runc.resume(&self.id).await {
-                    tracing::error!(id = %self.id, "resuming after a failed checkpoint: {e}");
+    /// After a failed dump the task is put back as the client had it, from runc's real
+    /// state: CRIU killed mid-dump leaves the cgroup frozen (or thawed, for a task the
+    /// client paused). Returns what is left, for the error; the recorded state follows it.
+    async fn settle_after_failed_dump(&self, init: &mut InitProcess) -> TaskLeft {
+        let ours = init.state;
+        let status = match self.runc.state(&self.id).await {
+            Ok(st) => st.status,
+            Err(e) => {
+                tracing::warn!(id = %self.id, "runc state after a failed checkpoint: {e}");
+                return TaskLeft::Gone;
+            }
+        };
+        let fixed = match (ours, status.as_str()) {
+            (InitState::Running, "paused") => self.runc.resume(&self.id).await,
+            (InitState::Paused, "running") => self.runc.pause(&self.id).await,
+            (_, "running" | "paused") => Ok(()),
+            _ => return TaskLeft::Gone, // stopped: the init's exit is on its way
+        };
+        let now = match fixed {
+            Ok(()) => ours,
+            Err(e) => {
+                tracing::error!(id = %self.id, runc_status = %status,
+                    "putting the task back after a failed checkpoint: {e}");
+                if status == "paused" {
+                    InitState::Paused
+                } else {
+                    InitState::Running
                 }
             }
+        };
+        if now != ours {
+            tracing::warn!(id = %self.id, from = ?ours, to = ?now,
+                "the failed checkpoint changed the task's state");
+            self.set_state(init, now);
+        }
+        if now == InitState::Paused {
+            TaskLeft::Paused
+        } else {
+            TaskLeft::Running
         }
     }
 }

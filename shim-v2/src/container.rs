@@ -266,6 +266,9 @@ impl Container {
             .checkpoint
             .as_deref()
             .and_then(|image| UnpackedCheckpoint::recognize(&cfg.id, image));
+        if let Some(u) = &unpacked {
+            crate::unpacked::record(&cfg.bundle, u);
+        }
         match Self::create_inner(cfg, spawner).await {
             Ok(c) => {
                 *c.unpacked.lock().expect("unpacked lock") = unpacked;
@@ -439,7 +442,7 @@ impl Container {
     }
 
     /// Every change of the init's state goes through here (the lock-free copy follows).
-    fn set_state(&self, init: &mut InitProcess, next: InitState) {
+    pub(crate) fn set_state(&self, init: &mut InitProcess, next: InitState) {
         init.state = next;
         *self.observed.lock().expect("observed lock") = next;
     }
@@ -740,9 +743,17 @@ impl Container {
             _ => {
                 if let Err(e) = self.runc.delete(&self.id, from == InitState::Created).await {
                     // A container runc no longer knows is already gone: that is a delete.
-                    let st = self.runc.state(&self.id).await;
-                    if st.is_ok() {
-                        return Err(e);
+                    // One runc still holds as paused or running though its init is gone
+                    // (a thaw that failed, a CRIU that refroze it) is forced: nothing of it
+                    // may outlive the task.
+                    match self.runc.state(&self.id).await {
+                        Err(_) => {}
+                        Ok(st) if st.status != "stopped" && from == InitState::Stopped => {
+                            tracing::warn!(id = %self.id, runc_status = %st.status,
+                                "deleting with --force: {e}");
+                            self.runc.delete(&self.id, true).await?;
+                        }
+                        Ok(_) => return Err(e),
                     }
                 }
             }
@@ -785,9 +796,17 @@ impl Container {
 
     async fn record_init_exit(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
         let mut init = self.init.lock().await;
-        match init.state.next(Verb::Exit) {
+        let was = init.state;
+        match was.next(Verb::Exit) {
             Ok(next) => self.set_state(&mut init, next),
             Err(_) => return None, // deleted already: reported by Delete
+        }
+        // As containerd's runc shim: a frozen cgroup whose init died is thawed, so what is
+        // left in it can exit and runc can delete it.
+        if was == InitState::Paused {
+            if let Err(e) = self.runc.resume(&self.id).await {
+                tracing::warn!(id = %self.id, "thawing the paused task whose init exited: {e}");
+            }
         }
         let io = std::mem::take(&mut init.io);
         drop(init);

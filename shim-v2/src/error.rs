@@ -22,10 +22,12 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{op} failed: {msg}")]
     Runtime { op: &'static str, msg: String },
-    #[error("checkpoint of {id} failed: {msg}; the container was left running{}", criu_log_hint(.log))]
+    #[error("checkpoint of {id} failed: {msg}; {left}{}", criu_log_hint(.log))]
     Checkpoint {
         id: String,
         msg: String,
+        /// The task's state after the failure, as runc reports it.
+        left: TaskLeft,
         /// CRIU's dump log, when CRIU ran.
         log: Option<PathBuf>,
     },
@@ -72,6 +74,37 @@ pub enum Error {
          executed in it, start a new task"
     )]
     InitExited { id: String },
+}
+
+/// What a failed checkpoint left of the task: runc's own state, asked after the failure
+/// (a CRIU killed mid-dump can leave the cgroup frozen or thawed behind the shim's back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TaskLeft {
+    Running,
+    Paused,
+    Gone,
+}
+
+impl std::fmt::Display for TaskLeft {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TaskLeft::Running => "the container was left running",
+            TaskLeft::Paused => {
+                "the container was left paused, as its client paused it (resume it)"
+            }
+            TaskLeft::Gone => "the container's init is gone (delete the task)",
+        })
+    }
+}
+
+impl From<crate::process::state::InitState> for TaskLeft {
+    /// For failures before CRIU ran: the task is as the client had it.
+    fn from(s: crate::process::state::InitState) -> Self {
+        match s {
+            crate::process::state::InitState::Paused => TaskLeft::Paused,
+            _ => TaskLeft::Running,
+        }
+    }
 }
 
 fn criu_log_hint(log: &Option<PathBuf>) -> String {

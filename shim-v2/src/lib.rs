@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod container;
+pub mod criu_log;
 pub mod deadline;
 pub mod error;
 pub mod events;

@@ -140,11 +140,21 @@ impl Spawner {
         let stdout = child.stdout.take().map(read_all);
         let stderr = child.stderr.take().map(read_all);
         let finished = async {
-            let stdout = join(stdout).await;
-            let stderr = join(stderr).await;
-            let exit = (&mut exit).await?;
+            let exited = async {
+                let status = (&mut exit).await?;
+                // A runc that failed (or was killed) may leave CRIU behind in its group,
+                // holding the container's processes and our pipes: it goes with runc.
+                if within.is_some() && status != 0 {
+                    let _ = nix::sys::signal::killpg(
+                        Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                Ok::<_, std::io::Error>(status)
+            };
+            let (status, stdout, stderr) = tokio::join!(exited, join(stdout), join(stderr));
             Ok::<_, std::io::Error>(Output {
-                status: exit,
+                status: status?,
                 stdout,
                 stderr,
             })
@@ -177,6 +187,14 @@ impl Spawner {
         match within {
             None => exit.await,
             Some(d) => match tokio::time::timeout(d, &mut exit).await {
+                Ok(Ok(status)) if status != 0 => {
+                    // As in `output_within`: a failed runc's CRIU goes with it.
+                    let _ = nix::sys::signal::killpg(
+                        Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                    Ok(status)
+                }
                 Ok(r) => r,
                 Err(_) => Err(killed_after(pid, d, exit).await),
             },

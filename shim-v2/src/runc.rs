@@ -275,7 +275,7 @@ impl Runc {
             level: String,
             msg: String,
         }
-        let logged = std::fs::read_to_string(&self.log).ok().and_then(|s| {
+        let logged = crate::criu_log::tail(&self.log, crate::criu_log::TAIL_BYTES).and_then(|s| {
             s.lines()
                 .rev()
                 .filter_map(|l| serde_json::from_str::<Line>(l).ok())
@@ -352,12 +352,46 @@ impl Runc {
     }
 
     pub async fn delete(&self, id: &str, force: bool) -> Result<()> {
+        self.delete_within(id, force, None).await
+    }
+
+    /// `runc delete` killed past `within` (the shim's `delete` has 5 s in all).
+    pub async fn delete_within(
+        &self,
+        id: &str,
+        force: bool,
+        within: Option<Duration>,
+    ) -> Result<()> {
         let mut a: Vec<String> = vec!["delete".into()];
         if force {
             a.push("--force".into());
         }
         a.push(id.into());
-        self.run("runc delete", &a).await.map(drop)
+        self.run_within("runc delete", &a, &[], within)
+            .await
+            .map(drop)
+    }
+
+    /// Pids of runc commands still running for this runc handle's container (started with
+    /// its `--log`, which is in the bundle): a dead shim's `runc checkpoint` or `runc
+    /// restore`, with CRIU under it.
+    pub fn orphans(&self) -> Vec<i32> {
+        let log = path_arg(&self.log);
+        std::fs::read_dir("/proc")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+                let ours = args
+                    .windows(2)
+                    .any(|w| w[0] == b"--log" && w[1] == log.as_bytes());
+                let verb = args.iter().any(|a| *a == b"checkpoint" || *a == b"restore");
+                (ours && verb && pid != std::process::id() as i32).then_some(pid)
+            })
+            .collect()
     }
 
     pub async fn pause(&self, id: &str) -> Result<()> {

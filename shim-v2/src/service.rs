@@ -55,6 +55,8 @@ const ADDRESS_FILE: &str = "address";
 /// How long `start` waits for the serving shim to listen. It takes milliseconds; this only
 /// bounds a shim stuck before serving, which would otherwise outlive a start that failed.
 const SERVE_TIMEOUT: Duration = Duration::from_secs(30);
+/// `runc delete --force` in `shim delete`: containerd kills the whole command at 5 s.
+const DELETE_SHIM_RUNC_DEADLINE: Duration = Duration::from_secs(3);
 /// The type URL containerd registers for the OCI runtime features (JSON-encoded).
 const FEATURES_TYPE_URL: &str =
     "types.containerd.io/opencontainers/runtime-spec/1/features/Features";
@@ -422,11 +424,25 @@ impl containerd_shim::Shim for Service {
             log: bundle.join("log.json"),
             spawner: Spawner::Plain,
         };
-        if let Err(e) = runc.delete(&self.id, true).await {
+        // containerd kills this command after 5 s: the rootfs first (a lazy unmount never
+        // blocks), then what the dead shim left running (a checkpoint's or restore's runc
+        // and CRIU, which hold the container's processes seized), then runc's state.
+        crate::container::unmount_rootfs(&bundle);
+        for pid in runc.orphans() {
+            let killed = crate::reaper::kill_tree(pid);
+            eprintln!(
+                "gpucr: {}: killed the dead shim's runc and CRIU {killed:?}",
+                self.id
+            );
+        }
+        if let Err(e) = runc
+            .delete_within(&self.id, true, Some(DELETE_SHIM_RUNC_DEADLINE))
+            .await
+        {
             // Already gone from runc is fine; anything else is worth a line in the log.
             eprintln!("gpucr: runc delete --force {}: {e}", self.id);
         }
-        crate::container::unmount_rootfs(&bundle);
+        crate::unpacked::discard_recorded(&bundle).await;
         let pid = std::fs::read_to_string(bundle.join("init.pid"))
             .ok()
             .and_then(|s| s.trim().parse().ok())

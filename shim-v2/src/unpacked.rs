@@ -105,6 +105,44 @@ impl Drop for UnpackedCheckpoint {
     }
 }
 
+/// The bundle's note of the copy a restore uses: a shim killed during the restore leaves
+/// it to `shim delete` (another process), which containerd runs in the bundle.
+const RECORD: &str = "gpucr-unpacked-checkpoint";
+
+/// Notes `u` in the bundle, for [`discard_recorded`].
+pub fn record(bundle: &Path, u: &UnpackedCheckpoint) {
+    if let Err(e) = std::fs::write(bundle.join(RECORD), u.path.as_os_str().as_encoded_bytes()) {
+        tracing::warn!(image = %u.path.display(),
+            "no note of containerd's unpacked copy in the bundle (a shim killed during the \
+             restore would leave it): {e}");
+    }
+}
+
+/// `shim delete` after a dead shim: removes the copy its restore used. Safe because
+/// containerd (1.7 and 2.x `services/tasks`) only reads it during the Create RPC that
+/// passes it, never after, and made it with `MkdirTemp` for that one Create; the path is
+/// checked for containerd's shape again, so a changed note cannot aim it elsewhere.
+pub async fn discard_recorded(bundle: &Path) {
+    if std::env::var_os(KEEP_ENV).is_some_and(|v| v == "1") {
+        return;
+    }
+    discard_recorded_in(bundle, &containerd_temp_dir()).await
+}
+
+async fn discard_recorded_in(bundle: &Path, temp: &Path) {
+    let note = bundle.join(RECORD);
+    let Ok(bytes) = std::fs::read(&note) else {
+        return;
+    };
+    let path = PathBuf::from(String::from_utf8_lossy(&bytes).into_owned());
+    if let Some(u) = UnpackedCheckpoint::recognize_in(&path, temp) {
+        tracing::info!(image = %path.display(), "removing the unpacked copy a dead shim's \
+            restore used");
+        u.discard().await;
+    }
+    let _ = std::fs::remove_file(note);
+}
+
 /// Where containerd's `os.MkdirTemp(os.Getenv("XDG_RUNTIME_DIR"), …)` puts its directory.
 fn containerd_temp_dir() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
@@ -181,6 +219,18 @@ mod tests {
         u.remove_in_background();
         u.discard().await;
         assert!(!p.exists());
+    }
+
+    #[tokio::test]
+    async fn a_recorded_copy_is_removed_by_another_process_s_delete() {
+        let (t, p) = dir_with("ctrd-checkpoint11");
+        let bundle = tempfile::tempdir().unwrap();
+        let u = UnpackedCheckpoint::recognize_in(&p, t.path()).unwrap();
+        record(bundle.path(), &u);
+        std::mem::forget(u); // the shim that noted it died
+        discard_recorded_in(bundle.path(), t.path()).await;
+        assert!(!p.exists());
+        assert!(!bundle.path().join(RECORD).exists());
     }
 
     #[tokio::test]

@@ -19,6 +19,7 @@ pub mod checkpoint;
 pub mod command;
 pub mod containerd;
 pub mod cri;
+pub mod criu_wrapper;
 pub mod error;
 pub mod fake_cuda;
 pub mod image;

@@ -5,12 +5,11 @@
 //! from PATH): while this test's `hang` file exists it sleeps instead of running the
 //! installed CRIU, and otherwise it runs that CRIU.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use gpucr_tests::{
-    counter_args, procfs, runtime_under_test, shim_dir, unique_id, Containerd, GPUCR_RUNTIME,
-};
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
+use gpucr_tests::{counter_args, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 
 /// The annotated deadline of these tests, in seconds.
 const DEADLINE_S: u64 = 3;
@@ -21,7 +20,7 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 struct Hanging {
     ctd: Containerd,
     image: String,
-    dir: tempfile::TempDir,
+    criu: CriuWrapper,
 }
 
 impl Hanging {
@@ -31,50 +30,23 @@ impl Hanging {
             eprintln!("skipped: deadlines are gpucr's, the runtime under test is {runtime}");
             return None;
         }
-        let real = which("criu").expect("criu on PATH");
-        let dir = tempfile::Builder::new()
-            .prefix("gpucr-criu-hang-")
-            .tempdir()
-            .unwrap();
-        let wrapper = dir.path().join("criu");
-        let script = format!(
-            "#!/bin/sh\nif [ -e '{d}/hang' ]; then echo $$ >> '{d}/hung.pids'; exec sleep 600; fi\n\
-             exec '{}' \"$@\"\n",
-            real.display(),
-            d = dir.path().display()
-        );
-        std::fs::write(&wrapper, script).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let mut path = vec![dir.path().to_path_buf(), shim_dir().expect("shim dir")];
-        path.extend(std::env::split_paths(
-            &std::env::var_os("PATH").unwrap_or_default(),
-        ));
-        let path = std::env::join_paths(path).unwrap();
-        let ctd = Containerd::start_with_env(&[("PATH", path)]).expect("containerd");
+        let criu = CriuWrapper::install();
+        let ctd = Containerd::start_with_env(&[("PATH", criu.path_env())]).expect("containerd");
         let image = ctd.import_busybox().expect("busybox image");
-        Some(Hanging { ctd, image, dir })
+        Some(Hanging { ctd, image, criu })
     }
 
     fn hang(&self, on: bool) {
-        let f = self.dir.path().join("hang");
         if on {
-            std::fs::write(f, b"").unwrap();
+            self.criu.arm(CriuFault::Hang);
         } else {
-            let _ = std::fs::remove_file(f);
+            self.criu.disarm();
         }
     }
 
     /// The wrapper processes that hung, none of which may be alive.
     fn assert_hung_ones_killed(&self) {
-        let pids = std::fs::read_to_string(self.dir.path().join("hung.pids")).unwrap_or_default();
-        let pids: Vec<i32> = pids.lines().filter_map(|l| l.parse().ok()).collect();
-        assert!(!pids.is_empty(), "CRIU never hung: the test did not test");
-        for p in pids {
-            let gone =
-                procfs::wait_gone(&format!("hung criu {p} gone"), p, Duration::from_secs(10));
-            assert!(gone.is_ok(), "the hung criu {p} outlived its deadline");
-        }
+        self.criu.assert_gone("hung.pids", Duration::from_secs(10));
     }
 
     fn counter(&self, id: &str) -> u64 {
@@ -92,12 +64,6 @@ impl Hanging {
         self.ctd.wait_status(id, "RUNNING").unwrap();
         self.ctd.wait_counter_above(id, 3).unwrap()
     }
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
 }
 
 /// Runs `f` and asserts it answered within [`ANSWER_WITHIN`].

@@ -1,0 +1,127 @@
+//! CRIU's and runc's logs, read from their tail with a bound: a CRIU stuck in a loop wrote an
+//! 18.8 GB `restore.log` in 90 s, and reading it whole took the shim to gigabytes of RSS.
+//! Also the causes an operator can act on (a full disk, no memory), named from the errno
+//! texts CRIU logs, instead of CRIU's last `exited, status=2` line.
+
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// How much of a log's end is read: CRIU's error lines are the last ones it writes.
+pub const TAIL_BYTES: u64 = 64 * 1024;
+
+/// The last `max` bytes of `path` (lossy UTF-8), starting at a line boundary.
+pub fn tail(path: &Path, max: u64) -> Option<String> {
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    let start = len.saturating_sub(max);
+    f.seek(SeekFrom::Start(start)).ok()?;
+    let mut buf = Vec::with_capacity(max.min(len) as usize);
+    f.take(max).read_to_end(&mut buf).ok()?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    // A cut line is dropped: it could be read as something it is not.
+    Some(match (start > 0, text.find('\n')) {
+        (true, Some(i)) => text[i + 1..].to_string(),
+        _ => text,
+    })
+}
+
+/// What CRIU's log says went wrong, where it is one of the errors an operator fixes on the
+/// host rather than in the container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    DiskFull,
+    QuotaExceeded,
+    ReadOnly,
+    NoMemory,
+}
+
+impl Cause {
+    /// The errno texts (strerror) CRIU appends to its failed writes and allocations.
+    const TEXTS: [(&'static str, Cause); 4] = [
+        ("No space left on device", Cause::DiskFull),
+        ("Disk quota exceeded", Cause::QuotaExceeded),
+        ("Read-only file system", Cause::ReadOnly),
+        ("Cannot allocate memory", Cause::NoMemory),
+    ];
+
+    /// The first known cause in CRIU's log text.
+    pub fn find(text: &str) -> Option<(Cause, String)> {
+        text.lines().find_map(|l| {
+            Self::TEXTS
+                .iter()
+                .find(|(t, _)| l.contains(t))
+                .map(|(_, c)| (*c, l.trim().to_string()))
+        })
+    }
+
+    /// The cause in words for the operator: `dirs` are the checkpoint's image and work
+    /// directories (the one with the least free space is named for a full disk).
+    pub fn describe(self, dirs: &[&Path]) -> String {
+        let fullest = || {
+            dirs.iter()
+                .filter_map(|d| free_bytes(d).map(|b| (d.to_path_buf(), b)))
+                .min_by_key(|(_, b)| *b)
+        };
+        let at = |what: &str| match fullest() {
+            Some((p, b)) => format!("{what}: {}, {b} bytes free", p.display()),
+            None => format!("{what}: {}", paths(dirs)),
+        };
+        match self {
+            Cause::DiskFull => at("the checkpoint's disk is full"),
+            Cause::QuotaExceeded => at("the checkpoint's disk quota is exceeded"),
+            Cause::ReadOnly => {
+                format!("the checkpoint's file system is read-only: {}", paths(dirs))
+            }
+            Cause::NoMemory => {
+                "the host ran out of memory (CRIU could not allocate); free memory or raise the \
+                 container's memory limit"
+                    .to_string()
+            }
+        }
+    }
+}
+
+fn paths(dirs: &[&Path]) -> String {
+    dirs.iter()
+        .map(|d| d.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Bytes an unprivileged writer can still use on `dir`'s file system (its nearest existing
+/// ancestor's).
+pub fn free_bytes(dir: &Path) -> Option<u64> {
+    let existing: PathBuf = dir.ancestors().find(|a| a.exists())?.to_path_buf();
+    let st = nix::sys::statvfs::statvfs(&existing).ok()?;
+    Some(st.blocks_available() as u64 * st.fragment_size() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tail_is_bounded_and_starts_at_a_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("restore.log");
+        let mut text = "x".repeat(200_000);
+        text.push_str("\nlast line\n");
+        std::fs::write(&log, text).unwrap();
+        let t = tail(&log, 100).unwrap();
+        assert_eq!(t, "last line\n");
+        assert!(tail(&log, TAIL_BYTES).unwrap().len() as u64 <= TAIL_BYTES);
+    }
+
+    #[test]
+    fn a_full_disk_is_named_with_its_free_bytes() {
+        let text = "(00.1) Error (criu/image.c:123): Can't write: No space left on device\n\
+                    (00.2) Error (criu/util.c:656): exited, status=2\n";
+        let (cause, line) = Cause::find(text).unwrap();
+        assert_eq!(cause, Cause::DiskFull);
+        assert!(line.contains("image.c"));
+        let dir = tempfile::tempdir().unwrap();
+        let msg = cause.describe(&[dir.path()]);
+        assert!(msg.starts_with("the checkpoint's disk is full: "), "{msg}");
+        assert!(msg.ends_with(" bytes free"), "{msg}");
+    }
+}

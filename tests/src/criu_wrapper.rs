@@ -1,0 +1,116 @@
+//! A `criu` wrapper put first in containerd's PATH (runc runs `criu` from PATH), with
+//! failpoints switched by files in its directory, so a test can make CRIU fail mid-way:
+//!
+//! - `hang`: sleep instead of running CRIU (a CRIU that never returns);
+//! - `kill-at`: run CRIU and SIGKILL it once its dump or restore log holds the line the
+//!   file names (CRIU dying mid-dump).
+//!
+//! Pids of the wrapped CRIUs that hung or were killed are appended to `hung.pids` and
+//! `killed.pids`. Without a failpoint file the installed CRIU runs as is.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::{procfs, shim_dir};
+
+/// The wrapper's directory (removed on drop: drop the daemon first).
+pub struct CriuWrapper {
+    dir: tempfile::TempDir,
+}
+
+/// A failpoint of the wrapper.
+#[derive(Debug, Clone, Copy)]
+pub enum CriuFault<'a> {
+    /// CRIU sleeps instead of running.
+    Hang,
+    /// CRIU is SIGKILLed once its log holds this text.
+    KillAt(&'a str),
+}
+
+impl CriuWrapper {
+    pub fn install() -> CriuWrapper {
+        let real = which("criu").expect("criu on PATH");
+        let dir = tempfile::Builder::new()
+            .prefix("gpucr-criu-wrap-")
+            .tempdir()
+            .unwrap();
+        let d = dir.path().display();
+        // `$$` in the watcher is the wrapper's pid, which `exec` hands to CRIU.
+        let script = format!(
+            "#!/bin/sh\n\
+             if [ -e '{d}/hang' ]; then echo $$ >> '{d}/hung.pids'; exec sleep 600; fi\n\
+             if [ -e '{d}/kill-at' ]; then\n\
+               at=$(cat '{d}/kill-at')\n\
+               ( i=0; while [ $i -lt 3000 ]; do i=$((i+1))\n\
+                   for f in /proc/$$/fd/*; do\n\
+                     l=$(readlink \"$f\" 2>/dev/null)\n\
+                     case \"$l\" in *.log) if grep -qF \"$at\" \"$l\" 2>/dev/null; then\n\
+                       echo $$ >> '{d}/killed.pids'; kill -9 $$; exit 0; fi;; esac\n\
+                   done; sleep 0.01; done ) &\n\
+             fi\n\
+             exec '{}' \"$@\"\n",
+            real.display()
+        );
+        let wrapper = dir.path().join("criu");
+        std::fs::write(&wrapper, script).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        CriuWrapper { dir }
+    }
+
+    /// containerd's PATH with the wrapper first (then the shim, then this PATH).
+    pub fn path_env(&self) -> std::ffi::OsString {
+        let mut path = vec![self.dir.path().to_path_buf(), shim_dir().expect("shim dir")];
+        path.extend(std::env::split_paths(
+            &std::env::var_os("PATH").unwrap_or_default(),
+        ));
+        std::env::join_paths(path).unwrap()
+    }
+
+    /// Arms `fault` for the next CRIU runs.
+    pub fn arm(&self, fault: CriuFault<'_>) {
+        match fault {
+            CriuFault::Hang => std::fs::write(self.dir.path().join("hang"), b"").unwrap(),
+            CriuFault::KillAt(at) => std::fs::write(self.dir.path().join("kill-at"), at).unwrap(),
+        }
+    }
+
+    /// The next CRIU runs as installed.
+    pub fn disarm(&self) {
+        for f in ["hang", "kill-at"] {
+            let _ = std::fs::remove_file(self.dir.path().join(f));
+        }
+    }
+
+    /// Pids recorded in `file` (`hung.pids`, `killed.pids`).
+    pub fn pids(&self, file: &str) -> Vec<i32> {
+        std::fs::read_to_string(self.dir.path().join(file))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.parse().ok())
+            .collect()
+    }
+
+    /// The CRIUs recorded in `file`, none of which may be alive within `within`.
+    pub fn assert_gone(&self, file: &str, within: Duration) {
+        let pids = self.pids(file);
+        assert!(
+            !pids.is_empty(),
+            "no CRIU in {file}: the failpoint never fired"
+        );
+        for p in pids {
+            let gone = procfs::wait_gone(&format!("criu {p} of {file} gone"), p, within);
+            assert!(gone.is_ok(), "the criu {p} of {file} is still alive");
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}

@@ -1,0 +1,348 @@
+//! Faults mid-way through a checkpoint or restore end clean (#27): the task's reported state
+//! is true, every verb still works (resume, checkpoint again, kill, delete), nothing is
+//! left (processes, mounts, bundle, runc state, shim, containerd's unpacked copy), and the
+//! error names the cause. CRIU fails through the `criu` wrapper (`criu_wrapper.rs`); the
+//! shim and runc are SIGKILLed by pid; a full disk is a small tmpfs under the checkpoint.
+//! The failpoints and their outcomes are listed in docs/ARCHITECTURE.md.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
+use gpucr_tests::{
+    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
+};
+
+/// A CRIU log line written once the dump has started on the task's memory.
+const MID_DUMP: &str = "Dumping pages (type:";
+/// What containerd may take to clean up after a dead shim (`shim delete`, 5 s at most).
+const CLEANUP_WITHIN: Duration = Duration::from_secs(15);
+
+/// A daemon whose runc finds the wrapper. Drops the daemon before the wrapper.
+struct Faulty {
+    ctd: Containerd,
+    image: String,
+    criu: CriuWrapper,
+}
+
+impl Faulty {
+    fn start(extra_env: &[(&str, &Path)]) -> Option<Faulty> {
+        let runtime = runtime_under_test();
+        if runtime != GPUCR_RUNTIME {
+            eprintln!("skipped: gpucr's fault handling, the runtime under test is {runtime}");
+            return None;
+        }
+        let criu = CriuWrapper::install();
+        let mut env: Vec<(&str, std::ffi::OsString)> = vec![("PATH", criu.path_env())];
+        env.extend(
+            extra_env
+                .iter()
+                .map(|(k, v)| (*k, v.as_os_str().to_owned())),
+        );
+        let ctd = Containerd::start_with_env(&env).expect("containerd");
+        let image = ctd.import_busybox().expect("busybox image");
+        Some(Faulty { ctd, image, criu })
+    }
+
+    fn counter(&self, id: &str) -> u64 {
+        self.ctd
+            .run_detached_with(id, &self.image, &[], &counter_args())
+            .expect("ctr run");
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        self.ctd.wait_counter_above(id, 2).unwrap()
+    }
+
+    /// `ctr container checkpoint --task --rw` (ctr pauses the task around it).
+    fn checkpoint(&self, id: &str, tag: &str) -> gpucr_tests::Output {
+        self.ctd
+            .ctr(&[
+                "container",
+                "checkpoint",
+                "--task",
+                "--rw",
+                id,
+                &format!("docker.io/gpucr/faults-{tag}:{id}"),
+            ])
+            .unwrap()
+    }
+
+    /// The task runs and counts, pauses and resumes, checkpoints again, and is removed
+    /// leaving nothing.
+    fn assert_every_verb_works(&self, id: &str) {
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        let now = self.ctd.read_counter(id).unwrap();
+        self.ctd.wait_counter_above(id, now).unwrap();
+        self.ctd.ctr_ok(&["task", "pause", id]).unwrap();
+        self.ctd.wait_status(id, "PAUSED").unwrap();
+        self.ctd.ctr_ok(&["task", "resume", id]).unwrap();
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        let again = self.checkpoint(id, "again");
+        assert!(again.success(), "checkpoint again: {}", again.stderr);
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        self.ctd.remove_container(id).unwrap();
+        self.assert_nothing_left(id);
+    }
+
+    /// No shim, bundle, rootfs mount, runc state or container process of `id`.
+    fn assert_nothing_left(&self, id: &str) {
+        let bundle = self.ctd.bundle(id);
+        let runc_state = Path::new("/run/containerd/runc")
+            .join(self.ctd.namespace())
+            .join(id);
+        let address = self.ctd.address().to_string_lossy().into_owned();
+        poll_until(&format!("nothing of {id} left"), CLEANUP_WITHIN, || {
+            let left: Vec<String> = [
+                procfs::shim_pid(&address, id).map(|p| format!("shim {p}")),
+                bundle
+                    .exists()
+                    .then(|| format!("bundle {}", bundle.display())),
+                Some(procfs::mounts_under(&bundle))
+                    .filter(|m| !m.is_empty())
+                    .map(|m| format!("mounts {m:?}")),
+                runc_state
+                    .exists()
+                    .then(|| format!("runc state {}", runc_state.display())),
+                Some(procfs::cgroup_members(self.ctd.namespace()))
+                    .filter(|m| !m.is_empty())
+                    .map(|m| format!("container processes {m:?}")),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            Ok(if left.is_empty() { Ok(()) } else { Err(left) })
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn criu_killed_mid_dump_leaves_the_task_running_and_usable() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-criu");
+    f.counter(&id);
+    f.criu.arm(CriuFault::KillAt(MID_DUMP));
+    let out = f.checkpoint(&id, "criu");
+    f.criu.disarm();
+    assert!(!out.success(), "the checkpoint must fail: {}", out.stdout);
+    f.criu.assert_gone("killed.pids", Duration::from_secs(5));
+    assert!(
+        // ctr paused the task around the checkpoint (and resumes it after).
+        out.stderr.contains("left paused") && out.stderr.contains("CRIU's log is at"),
+        "the error says what is left and where CRIU's log is: {}",
+        out.stderr
+    );
+    f.assert_every_verb_works(&id);
+}
+
+#[test]
+fn criu_killed_mid_dump_of_a_paused_task_leaves_it_paused() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-paused");
+    f.counter(&id);
+    f.ctd.ctr_ok(&["task", "pause", &id]).unwrap();
+    f.criu.arm(CriuFault::KillAt(MID_DUMP));
+    let out = f
+        .ctd
+        .ctr(&["task", "checkpoint", &id])
+        .expect("ctr task checkpoint ran");
+    f.criu.disarm();
+    assert!(!out.success(), "the checkpoint must fail: {}", out.stdout);
+    assert!(out.stderr.contains("left paused"), "{}", out.stderr);
+    // The reported state is runc's: still frozen, so Resume works and the task counts on.
+    f.ctd.wait_status(&id, "PAUSED").unwrap();
+    f.ctd.ctr_ok(&["task", "resume", &id]).unwrap();
+    f.assert_every_verb_works(&id);
+}
+
+#[test]
+fn runc_killed_mid_dump_kills_its_criu_and_leaves_the_task_usable() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-runc");
+    f.counter(&id);
+    f.criu.arm(CriuFault::Hang);
+    let cmd = f
+        .ctd
+        .ctr_cmd()
+        .args(["task", "checkpoint", &id])
+        .timeout(Duration::from_secs(60));
+    let ck = std::thread::spawn(move || cmd.output());
+    let log = f.ctd.bundle(&id).join("log.json");
+    let runc = poll_until("runc checkpoint running", Duration::from_secs(10), || {
+        let found = procfs::processes().into_iter().find(|p| {
+            p.flag("--log") == Some(&*log.to_string_lossy())
+                && p.argv.iter().any(|a| a == "checkpoint")
+        });
+        Ok(found.map(|p| p.pid).ok_or(()))
+    })
+    .unwrap();
+    poll_until("CRIU hung", Duration::from_secs(10), || {
+        Ok(if f.criu.pids("hung.pids").is_empty() {
+            Err(())
+        } else {
+            Ok(())
+        })
+    })
+    .unwrap();
+    procfs::sigkill(runc).unwrap();
+    let out = ck.join().unwrap().expect("ctr ran");
+    f.criu.disarm();
+    assert!(!out.success(), "{}", out.stdout);
+    assert!(out.stderr.contains("runc checkpoint"), "{}", out.stderr);
+    f.criu.assert_gone("hung.pids", Duration::from_secs(5));
+    f.assert_every_verb_works(&id);
+}
+
+#[test]
+fn a_full_disk_is_named_and_the_task_runs_on() {
+    // containerd makes a checkpoint's image directory in $XDG_RUNTIME_DIR: a 64 KiB tmpfs.
+    let small = tempfile::Builder::new()
+        .prefix("gpucr-full-")
+        .tempdir()
+        .unwrap();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "gpucr-full"])
+        .arg(small.path())
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mounting a small tmpfs");
+    let Some(f) = Faulty::start(&[("XDG_RUNTIME_DIR", small.path())]) else {
+        procfs::unmount_under(small.path());
+        return;
+    };
+    let id = unique_id("flt-full");
+    f.counter(&id);
+    let out = f.checkpoint(&id, "full");
+    assert!(!out.success(), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("the checkpoint's disk is full: ")
+            && out.stderr.contains(" bytes free"),
+        "the error names the full disk: {}",
+        out.stderr
+    );
+    f.ctd.wait_status(&id, "RUNNING").unwrap();
+    let now = f.ctd.read_counter(&id).unwrap();
+    f.ctd.wait_counter_above(&id, now).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    f.assert_nothing_left(&id);
+    drop(f);
+    procfs::unmount_under(small.path());
+}
+
+// Ignored: in a PID namespace the init's exit waits for its frozen children (the kernel
+// reaps the init only after they die), so the shim never sees it while the cgroup stays
+// frozen; the shim must first notice the dying init (e.g. on Delete/Kill) and thaw.
+#[test]
+#[ignore = "the init of a frozen PID namespace is not reaped until the thaw (#27.1, left)"]
+fn a_paused_task_whose_init_exits_is_deleted() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-exit");
+    f.counter(&id);
+    let pid = f.ctd.task_pid(&id).unwrap() as i32;
+    f.ctd.ctr_ok(&["task", "pause", &id]).unwrap();
+    // What a CRIU that refroze the cgroup leaves: the init gone, the cgroup frozen. The
+    // init leaves the frozen cgroup (to the root freezer) and dies there.
+    let root_procs = [
+        "/sys/fs/cgroup/freezer/cgroup.procs",
+        "/sys/fs/cgroup/cgroup.procs",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .unwrap();
+    std::fs::write(root_procs, pid.to_string()).unwrap();
+    procfs::sigkill(pid).unwrap();
+    f.ctd.wait_status(&id, "STOPPED").unwrap();
+    let t0 = Instant::now();
+    f.ctd.ctr_ok(&["task", "rm", &id]).unwrap();
+    f.ctd.ctr_ok(&["container", "rm", &id]).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10));
+    f.assert_nothing_left(&id);
+}
+
+#[test]
+fn the_shim_killed_mid_dump_leaves_nothing() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-shimck");
+    f.counter(&id);
+    f.criu.arm(CriuFault::Hang);
+    let cmd = f
+        .ctd
+        .ctr_cmd()
+        .args(["task", "checkpoint", &id])
+        .timeout(Duration::from_secs(60));
+    let ck = std::thread::spawn(move || cmd.output());
+    poll_until("CRIU hung", Duration::from_secs(10), || {
+        Ok(if f.criu.pids("hung.pids").is_empty() {
+            Err(())
+        } else {
+            Ok(())
+        })
+    })
+    .unwrap();
+    let address = f.ctd.address().to_string_lossy().into_owned();
+    let shim = procfs::shim_pid(&address, &id).expect("the shim");
+    procfs::sigkill(shim).unwrap();
+    let out = ck.join().unwrap().expect("ctr ran");
+    f.criu.disarm();
+    assert!(!out.success(), "{}", out.stdout);
+    // containerd ran `shim delete`: it killed the dead shim's runc and CRIU, unmounted the
+    // rootfs and deleted runc's state before containerd removed the bundle.
+    f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
+    f.ctd.wait_status(&id, "STOPPED").unwrap_or(());
+    let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
+    f.ctd.ctr_ok(&["container", "rm", &id]).unwrap();
+    f.assert_nothing_left(&id);
+}
+
+#[test]
+fn the_shim_killed_mid_restore_leaves_no_unpacked_copy() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-shimrs");
+    f.counter(&id);
+    let reference = format!("docker.io/gpucr/faults-rs:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    f.criu.arm(CriuFault::Hang);
+    let cmd = f
+        .ctd
+        .ctr_cmd()
+        .args(["container", "restore", "--live", "--rw", &id, &reference])
+        .timeout(Duration::from_secs(60));
+    let rs = std::thread::spawn(move || cmd.output());
+    poll_until("CRIU hung", Duration::from_secs(20), || {
+        Ok(if f.criu.pids("hung.pids").is_empty() {
+            Err(())
+        } else {
+            Ok(())
+        })
+    })
+    .unwrap();
+    assert!(
+        !f.ctd.unpacked_checkpoints().is_empty(),
+        "no unpacked copy to test"
+    );
+    let address = f.ctd.address().to_string_lossy().into_owned();
+    procfs::sigkill(procfs::shim_pid(&address, &id).expect("the shim")).unwrap();
+    let out = rs.join().unwrap().expect("ctr ran");
+    f.criu.disarm();
+    assert!(!out.success(), "{}", out.stdout);
+    f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
+    f.ctd.wait_unpacked_removed().unwrap();
+    let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
+    let _ = f.ctd.ctr(&["container", "rm", &id]);
+    f.assert_nothing_left(&id);
+    // The checkpoint in the content store is intact: it restores.
+    f.ctd.container_restore(&id, &reference, true).unwrap();
+    f.assert_every_verb_works(&id);
+}
