@@ -617,6 +617,7 @@ impl Container {
         gpu_expected: usize,
         helpers: &mut Option<RestoreHelpers>,
     ) -> Result<()> {
+        crate::restore_cgroup::adopt(&self.runc.root, &self.id, pid)?;
         let refreshed = host::refresh_device_nodes(&self.bundle, pid)?;
         if !refreshed.is_empty() {
             tracing::info!(id = %self.id, nodes = ?refreshed, "device nodes of this host");
@@ -625,7 +626,12 @@ impl Container {
             // CRIU's CUDA plugin restored and unlocked the driver's part already.
             return self.hook_restore(image, helpers).await;
         }
-        let pids = self.runc.ps(&self.id).await?;
+        // The cgroup's members and the init's descendants: a tree CRIU left outside the
+        // container's cgroup (or a pod's layout runc ps misreads) still finds its CUDA processes.
+        let mut pids = self.runc.ps(&self.id).await?;
+        pids.extend(crate::reaper::tree_of(pid as i32));
+        pids.sort_unstable();
+        pids.dedup();
         let n = gpu::resume_restored(pids, gpu_pairs).await?;
         if n < gpu_expected {
             return Err(Error::Gpu(format!(

@@ -48,6 +48,8 @@ pub enum Error {
     Gpu(String),
     #[error("GPU hook: {0}")]
     Hook(#[from] crate::gpu_hook::HookError),
+    #[error(transparent)]
+    Cgroup(#[from] crate::restore_cgroup::CgroupError),
     #[error("{context}: {source}")]
     Io {
         context: String,
@@ -143,6 +145,7 @@ impl Error {
             | Error::Restore { .. }
             | Error::Gpu(_)
             | Error::Hook(_)
+            | Error::Cgroup(_)
             | Error::Io { .. } => Code::UNKNOWN,
         }
     }

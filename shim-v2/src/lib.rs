@@ -23,6 +23,7 @@ pub mod oom;
 pub mod options;
 pub mod process;
 pub mod reaper;
+pub mod restore_cgroup;
 pub mod restore_helpers;
 pub mod runc;
 pub mod service;

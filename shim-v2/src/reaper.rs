@@ -265,6 +265,16 @@ async fn killed_after(pid: i32, after: Duration, exit: ExitFuture) -> std::io::E
 /// children would be reparented (to the shim, a subreaper) and look unrelated.
 pub fn kill_tree(root: i32) -> Vec<i32> {
     use nix::sys::signal::{kill, killpg, Signal};
+    let tree = tree_of(root);
+    for p in &tree {
+        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+    }
+    let _ = killpg(Pid::from_raw(root), Signal::SIGKILL);
+    tree
+}
+
+/// `root` and every descendant of it, from /proc's parent links (root first).
+pub fn tree_of(root: i32) -> Vec<i32> {
     let mut tree = vec![root];
     let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
         .into_iter()
@@ -285,10 +295,6 @@ pub fn kill_tree(root: i32) -> Vec<i32> {
         tree.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
         i += 1;
     }
-    for p in &tree {
-        let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
-    }
-    let _ = killpg(Pid::from_raw(root), Signal::SIGKILL);
     tree
 }
 

@@ -1,0 +1,93 @@
+//! A restored container's processes in its own cgroup (#28, #27.7).
+//!
+//! On cgroup v2 runc (1.1 through 1.3: `criuApplyCgroups` returns before it sets any
+//! `CgRoot`) moves CRIU into the new container's cgroup but tells CRIU no cgroup root, so
+//! CRIU (soft mode) puts the restored tasks back into the cgroup path recorded in the image:
+//! the checkpointed container's, not the one of the new config.json (CRI gives a restored
+//! container a new id and a cgroup under its new pod; two ctr restores of one checkpoint
+//! would share one). runc offers no flag for CRIU's cgroup root (`--manage-cgroups-mode
+//! ignore` is 1.2+ only), so after `runc restore` and before the GPU is given back, the shim
+//! moves the restored tree into the cgroup runc made for this container. On cgroup v1 runc
+//! passes every controller's root to CRIU, and nothing needs moving.
+
+use std::path::{Path, PathBuf};
+
+const CGROUP2_ROOT: &str = "/sys/fs/cgroup";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error(
+        "container {id}: runc's state {path} names no cgroup v2 path ({msg}); the restored \
+         processes stay in the checkpoint's cgroup — check that runc (not another runtime) \
+         made the container"
+    )]
+    NoCgroup {
+        id: String,
+        path: PathBuf,
+        msg: String,
+    },
+    #[error(
+        "container {id}: moving restored pid {pid} into its cgroup {cgroup}: {source}; check \
+         that the cgroup exists and the shim may write its cgroup.procs"
+    )]
+    Move {
+        id: String,
+        pid: i32,
+        cgroup: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Moves `init` and its descendants into the container's own cgroup (runc's state of `id`
+/// under `runc_root`) when they are elsewhere; returns how many moved.
+pub fn adopt(runc_root: &Path, id: &str, init: u32) -> Result<usize, CgroupError> {
+    if !Path::new(CGROUP2_ROOT).join("cgroup.controllers").exists() {
+        return Ok(0);
+    }
+    let target = own_cgroup(runc_root, id)?;
+    let mut moved = 0;
+    for pid in crate::reaper::tree_of(init as i32) {
+        if current_cgroup(pid).is_some_and(|c| c == target) {
+            continue;
+        }
+        // Writing a pid moves its whole thread group.
+        std::fs::write(target.join("cgroup.procs"), pid.to_string()).map_err(|source| {
+            CgroupError::Move {
+                id: id.to_string(),
+                pid,
+                cgroup: target.clone(),
+                source,
+            }
+        })?;
+        moved += 1;
+    }
+    if moved > 0 {
+        tracing::info!(%id, moved, cgroup = %target.display(),
+            "restored processes moved from the checkpoint's cgroup into the container's");
+    }
+    Ok(moved)
+}
+
+/// runc's `cgroup_paths[""]` (cgroup v2's one path) from `<root>/<id>/state.json`.
+fn own_cgroup(runc_root: &Path, id: &str) -> Result<PathBuf, CgroupError> {
+    let path = runc_root.join(id).join("state.json");
+    let err = |msg: String| CgroupError::NoCgroup {
+        id: id.to_string(),
+        path: path.clone(),
+        msg,
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
+    let state: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(e.to_string()))?;
+    state["cgroup_paths"][""]
+        .as_str()
+        .map(PathBuf::from)
+        .ok_or_else(|| err("no cgroup_paths entry".into()))
+}
+
+/// The cgroup v2 directory `pid` is in (`0::` of /proc/<pid>/cgroup), as seen from the host.
+fn current_cgroup(pid: i32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some(Path::new(CGROUP2_ROOT).join(rel.trim_start_matches('/')))
+}
