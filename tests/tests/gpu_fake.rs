@@ -521,9 +521,10 @@ fn failed_dump_after_gpu_checkpoint_resumes_the_gpu() {
         Err(e) => e.to_string(),
     };
     eprintln!("{err}");
+    // The tiny tmpfs fills up: the error names the cause (criu_log.rs), not just the step.
     assert!(
-        err.contains("runc checkpoint"),
-        "the error names the step: {err}"
+        err.contains("disk is full") || err.contains("runc checkpoint"),
+        "the error names the cause: {err}"
     );
     assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
     g.assert_recovered(&id, &[pid]);
