@@ -1,10 +1,7 @@
-//! Checkpoint of a task (`runc checkpoint` through CRIU) and the checks a checkpoint image
-//! must pass before a restore touches anything.
+//! Checkpoint of a task (`runc checkpoint` through CRIU).
 //!
-//! Every checkpoint writes `gpucr-checkpoint.json` into the image: the files and their sizes
-//! (and a checksum of the small ones), so a truncated or damaged image is refused at Create.
-//! The hook's GPU state images (`gpu-hook/<pid>/`) are listed too, and read through (their
-//! own checksums) before a restore.
+//! Every checkpoint ends by writing `gpucr-checkpoint.json` (see `manifest`): every file of
+//! the image with its size and chunk hashes, which a restore checks before anything changes.
 //!
 //! With the hook (see `gpu_hook`), its processes move their device memory first:
 //! hook copy-out → driver lock + checkpoint → dump → driver restore + unlock → hook give-back.
@@ -13,19 +10,16 @@
 //! the records and the manifest after that.
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
-use serde::{Deserialize, Serialize};
-
 use crate::{
     container::Container,
     error::{Error, IoContext, Result, TaskLeft},
-    gpu,
+    failpoint, gpu,
     gpu_hook::{self, HookCheckpoint, HookRecord},
-    hook_spec, host, layout,
+    hook_spec, host, layout, manifest,
     options::CheckpointRequest,
     process::{
         init::InitProcess,
@@ -33,88 +27,6 @@ use crate::{
     },
     runc::CheckpointOpts,
 };
-
-pub const MANIFEST: &str = "gpucr-checkpoint.json";
-const MANIFEST_VERSION: u32 = 1;
-/// Files up to this size get a checksum; larger ones (memory pages) are checked by size.
-const CHECKSUM_LIMIT: u64 = 1 << 20;
-
-#[derive(Debug, Serialize, Deserialize, PartialEq)]
-pub struct Manifest {
-    pub version: u32,
-    pub container_id: String,
-    pub created_at: String,
-    pub leave_running: bool,
-    pub dump_ms: u64,
-    pub files: BTreeMap<String, FileEntry>,
-}
-
-#[derive(Debug, Serialize, Deserialize, PartialEq)]
-pub struct FileEntry {
-    pub size: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fnv1a64: Option<String>,
-}
-
-fn fnv1a64(data: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in data {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
-}
-
-/// The image's files (the top level, and the hook's images under `gpu-hook/` or folded).
-fn scan(dir: &Path) -> Result<BTreeMap<String, FileEntry>> {
-    let mut files = BTreeMap::new();
-    scan_into(dir, "", &mut files)?;
-    Ok(files)
-}
-
-fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, FileEntry>) -> Result<()> {
-    for e in std::fs::read_dir(dir).ctx(|| format!("reading {}", dir.display()))? {
-        let e = e.ctx(|| format!("reading {}", dir.display()))?;
-        let name = format!("{prefix}{}", e.file_name().to_string_lossy());
-        let md = e.metadata().ctx(|| format!("stat {name}"))?;
-        if md.is_dir() && (name == gpu_hook::IMAGE_DIR || !prefix.is_empty()) {
-            scan_into(&e.path(), &format!("{name}/"), files)?;
-            continue;
-        }
-        if !md.is_file() || name == MANIFEST {
-            continue;
-        }
-        // The hook's images by their folded names, in either layout (see `layout`).
-        let name = layout::manifest_name(&name);
-        let fnv = if md.len() <= CHECKSUM_LIMIT {
-            let data = std::fs::read(e.path()).ctx(|| format!("reading {name}"))?;
-            Some(fnv1a64(&data))
-        } else {
-            None
-        };
-        files.insert(
-            name,
-            FileEntry {
-                size: md.len(),
-                fnv1a64: fnv,
-            },
-        );
-    }
-    Ok(())
-}
-
-/// Bytes of the image's top-level files: what CRIU reads in a restore (the hook's images
-/// under `gpu-hook/` are not CRIU's).
-pub fn image_bytes(image: &Path) -> u64 {
-    std::fs::read_dir(image)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.metadata().ok())
-        .filter(|m| m.is_file())
-        .map(|m| m.len())
-        .sum()
-}
 
 /// CRIU errors that appear in every run on some hosts and never cause a failure.
 const HARMLESS_CRIU_ERRORS: [&str; 1] = ["rlimit: Can't setup RLIMIT_NOFILE for self"];
@@ -131,66 +43,6 @@ pub fn criu_first_error(log: &Path) -> Option<String> {
         .filter(|l| l.contains("Error (") || l.starts_with("Error"))
         .find(|l| !HARMLESS_CRIU_ERRORS.iter().any(|h| l.contains(h)))
         .map(|l| l.trim().to_string())
-}
-
-/// Refuses an image that is missing, not a CRIU image, or does not match its manifest.
-pub fn validate_image(id: &str, image: &Path) -> Result<()> {
-    let refuse = |msg: String| Error::Restore {
-        id: id.to_string(),
-        image: image.to_path_buf(),
-        msg,
-    };
-    if !image.is_dir() {
-        return Err(refuse(
-            "the checkpoint directory does not exist (was the checkpoint taken, and is the path \
-             on this node?)"
-                .into(),
-        ));
-    }
-    if !image.join("inventory.img").is_file() {
-        return Err(refuse(
-            "no inventory.img: this is not a CRIU checkpoint image, or it is incomplete".into(),
-        ));
-    }
-    let manifest_path = image.join(MANIFEST);
-    if !manifest_path.exists() {
-        // An image from another tool (plain runc, podman): CRIU checks it itself.
-        return Ok(());
-    }
-    let text = std::fs::read_to_string(&manifest_path)
-        .map_err(|e| refuse(format!("cannot read {MANIFEST}: {e}")))?;
-    let manifest: Manifest =
-        serde_json::from_str(&text).map_err(|e| refuse(format!("{MANIFEST} is damaged: {e}")))?;
-    if manifest.version > MANIFEST_VERSION {
-        return Err(refuse(format!(
-            "{MANIFEST} version {} is newer than this gpucr understands ({MANIFEST_VERSION}); \
-             upgrade gpucr",
-            manifest.version
-        )));
-    }
-    let found = scan(image)?;
-    for (name, want) in &manifest.files {
-        match found.get(&layout::manifest_name(name)) {
-            None => return Err(refuse(format!("file {name} is missing from the image"))),
-            Some(got) if got.size != want.size => {
-                return Err(refuse(format!(
-                    "file {name} is {} bytes, the checkpoint wrote {} (truncated or damaged)",
-                    got.size, want.size
-                )))
-            }
-            Some(got) if want.fnv1a64.is_some() && got.fnv1a64 != want.fnv1a64 => {
-                return Err(refuse(format!(
-                    "file {name} does not match its checksum (damaged)"
-                )))
-            }
-            Some(_) => {}
-        }
-    }
-    // The hook's images: every chunk against its checksum, before anything changes.
-    if let Some(record) = HookRecord::load(image).map_err(|e| refuse(e.to_string()))? {
-        record.validate(image).map_err(|e| refuse(e.to_string()))?;
-    }
-    Ok(())
 }
 
 /// Gives the hook's processes their memory back (a blocking worker).
@@ -274,6 +126,7 @@ impl Container {
     ) -> Result<()> {
         let mut init = self.init.lock().await;
         init.state.next(Verb::Checkpoint)?;
+        failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_FREEZE).await?;
         let work = self.work_dir(req);
         if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
             let _ = std::fs::remove_dir_all(&work);
@@ -300,7 +153,11 @@ impl Container {
         let hooked = self
             .hook_copy_out(init.state, image, !req.exit, running)
             .await?;
-        let quiesced = match self.quiesce_gpu(init.state).await {
+        let quiesced = async {
+            failpoint::hit(&self.id, failpoint::CHECKPOINT_AFTER_COPY_OUT).await?;
+            self.quiesce_gpu(init.state).await
+        };
+        let quiesced = match quiesced.await {
             Ok(q) => q,
             Err(e) => {
                 if let Err(h) = self.hook_give_back(hooked, init.state).await {
@@ -336,10 +193,15 @@ impl Container {
             quiescer = ?self.gpu.quiescer, shim_quiesced = %marker,
             cuda_plugins = ?gpu::criu_cuda_plugins(), deadline = ?deadline.after,
             deadline_from = %deadline.source, "checkpoint");
-        let dumped = self
-            .runc
-            .checkpoint(&self.id, &opts, &env, Some(deadline.after))
-            .await;
+        // A failure here is undone as a failed dump.
+        let dumped = match failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_DUMP).await {
+            Ok(()) => {
+                self.runc
+                    .checkpoint(&self.id, &opts, &env, Some(deadline.after))
+                    .await
+            }
+            Err(e) => Err(e),
+        };
         if thawed && (dumped.is_err() || !req.exit) {
             if let Err(e) = self.runc.pause(&self.id).await {
                 tracing::error!(id = %self.id, "re-pausing after the plugin's checkpoint: {e}");
@@ -449,8 +311,12 @@ impl Container {
                 cannot re-resolve devices): {e}");
         }
         // Flat, so that CRI's copy of the image into kubelet's archive keeps every file.
-        let written =
-            layout::fold(image).and_then(|_| write_manifest(&self.id, image, !req.exit, dump_ms));
+        let written = async {
+            failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_MANIFEST).await?;
+            layout::fold(image)?;
+            manifest::write_manifest(&self.id, image, !req.exit, dump_ms)
+        };
+        let written = written.await;
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");
         }
@@ -662,107 +528,9 @@ impl Container {
     }
 }
 
-/// Writes `gpucr-checkpoint.json`: every file of the image with its size (and checksum).
-fn write_manifest(id: &str, image: &Path, leave_running: bool, dump_ms: u64) -> Result<()> {
-    let manifest = Manifest {
-        version: MANIFEST_VERSION,
-        container_id: id.to_string(),
-        created_at: unix_seconds_now(),
-        leave_running,
-        dump_ms,
-        files: scan(image)?,
-    };
-    let path = image.join(MANIFEST);
-    let text = serde_json::to_vec_pretty(&manifest).expect("manifest serializes");
-    std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
-}
-
-fn unix_seconds_now() -> String {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("{}", d.as_secs())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn image_with_manifest() -> tempfile::TempDir {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("inventory.img"), b"inv").unwrap();
-        std::fs::write(dir.path().join("pages-1.img"), vec![7u8; 4096]).unwrap();
-        let m = Manifest {
-            version: MANIFEST_VERSION,
-            container_id: "c".into(),
-            created_at: "0".into(),
-            leave_running: true,
-            dump_ms: 1,
-            files: scan(dir.path()).unwrap(),
-        };
-        std::fs::write(dir.path().join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
-        dir
-    }
-
-    #[test]
-    fn a_whole_image_passes() {
-        let dir = image_with_manifest();
-        validate_image("c", dir.path()).unwrap();
-    }
-
-    #[test]
-    fn missing_truncated_and_damaged_images_are_refused() {
-        let e = validate_image("c", Path::new("/nonexistent/ckpt")).unwrap_err();
-        assert!(e.to_string().contains("does not exist"), "{e}");
-
-        let empty = tempfile::tempdir().unwrap();
-        let e = validate_image("c", empty.path()).unwrap_err();
-        assert!(e.to_string().contains("inventory.img"), "{e}");
-
-        let dir = image_with_manifest();
-        std::fs::write(dir.path().join("pages-1.img"), vec![7u8; 100]).unwrap();
-        let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("truncated"), "{e}");
-
-        let dir = image_with_manifest();
-        std::fs::write(dir.path().join("pages-1.img"), vec![8u8; 4096]).unwrap();
-        let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("checksum"), "{e}");
-
-        let dir = image_with_manifest();
-        std::fs::remove_file(dir.path().join("pages-1.img")).unwrap();
-        let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("missing"), "{e}");
-
-        let dir = image_with_manifest();
-        std::fs::write(dir.path().join(MANIFEST), b"{not json").unwrap();
-        let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("damaged"), "{e}");
-    }
-
-    #[test]
-    fn the_hook_images_are_in_the_manifest() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("inventory.img"), b"inv").unwrap();
-        let hook_dir = dir.path().join(gpu_hook::IMAGE_DIR).join("7");
-        std::fs::create_dir_all(&hook_dir).unwrap();
-        std::fs::write(hook_dir.join("data-0.bin"), vec![1u8; 100]).unwrap();
-        std::fs::create_dir(dir.path().join("other")).unwrap();
-        std::fs::write(dir.path().join("other/x"), b"x").unwrap();
-        let files = scan(dir.path()).unwrap();
-        assert!(files.contains_key("gpu-hook.7.data-0.bin"), "{files:?}");
-        assert!(!files.contains_key("other/x"));
-        write_manifest("c", dir.path(), true, 1).unwrap();
-        validate_image("c", dir.path()).unwrap();
-        // Folded flat (as a checkpoint leaves it) and unfolded again: the same manifest.
-        layout::fold(dir.path()).unwrap();
-        validate_image("c", dir.path()).unwrap();
-        layout::unfold(dir.path()).unwrap();
-        validate_image("c", dir.path()).unwrap();
-        std::fs::write(hook_dir.join("data-0.bin"), vec![1u8; 10]).unwrap();
-        let e = validate_image("c", dir.path()).unwrap_err();
-        assert!(e.to_string().contains("gpu-hook.7.data-0.bin"), "{e}");
-    }
 
     #[test]
     fn criu_error_line_is_found() {

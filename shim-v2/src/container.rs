@@ -17,6 +17,7 @@ use tokio::sync::{watch, Mutex};
 use crate::{
     deadline::Deadlines,
     error::{Error, IoContext, Result},
+    failpoint,
     gpu::{self, GpuConfig},
     gpu_hook::{self, HookRecord},
     hook_spec, host,
@@ -310,7 +311,15 @@ impl Container {
                 image: image.clone(),
                 msg: format!("cannot lay out the hook's GPU state images: {e}"),
             })?;
-            crate::checkpoint::validate_image(&cfg.id, image)?;
+            // Reads the whole image (chunk hashes): off the async workers.
+            let (id, at) = (cfg.id.clone(), image.clone());
+            tokio::task::spawn_blocking(move || crate::manifest::validate_image(&id, &at))
+                .await
+                .map_err(|e| Error::Restore {
+                    id: cfg.id.clone(),
+                    image: image.clone(),
+                    msg: format!("the image check panicked: {e}"),
+                })??;
             // Refuse what this host cannot take before anything is created.
             let refuse = |e: Error| Error::Restore {
                 id: cfg.id.clone(),
@@ -513,7 +522,7 @@ impl Container {
             gpu::Quiescer::CriuPlugin => r.env.extend(gpu::plugin_pair_env(&gpu_pairs)),
         }
         let deadline = self.deadlines.restore(
-            crate::checkpoint::image_bytes(&r.checkpoint.image_path),
+            crate::manifest::image_bytes(&r.checkpoint.image_path),
             request,
         );
         tracing::info!(id = %self.id, deadline = ?deadline.after,
@@ -535,10 +544,14 @@ impl Container {
         };
         let mut helpers = None;
         let res = async {
-            let restored = self
-                .runc
-                .restore(&self.id, &r, child, Some(deadline.after))
-                .await;
+            let restored = match failpoint::hit(&self.id, failpoint::RESTORE_BEFORE_CRIU).await {
+                Ok(()) => {
+                    self.runc
+                        .restore(&self.id, &r, child, Some(deadline.after))
+                        .await
+                }
+                Err(e) => Err(e),
+            };
             if let Some(starting) = starting {
                 helpers = starting.await.ok();
             }
@@ -546,9 +559,12 @@ impl Container {
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
             let image = &r.checkpoint.image_path;
-            let fitted = self
-                .fit_restored(pid, image, gpu_pairs, gpu_expected, &mut helpers)
-                .await;
+            let fitted = async {
+                failpoint::hit(&self.id, failpoint::RESTORE_AFTER_CRIU).await?;
+                self.fit_restored(pid, image, gpu_pairs, gpu_expected, &mut helpers)
+                    .await
+            };
+            let fitted = fitted.await;
             if let Err(e) = fitted {
                 // Kill the half-restored tree before it is deleted below.
                 let _ = nix::sys::signal::kill(
@@ -651,6 +667,7 @@ impl Container {
         let Some(record) = HookRecord::load(image)?.filter(|r| !r.processes.is_empty()) else {
             return Ok(());
         };
+        failpoint::hit(&self.id, failpoint::RESTORE_BEFORE_HOOK_COPY_IN).await?;
         let (id, image) = (self.id.clone(), image.to_path_buf());
         let sockets = hook_spec::socket_dir(&self.bundle);
         let started = std::time::Instant::now();

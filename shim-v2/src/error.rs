@@ -76,6 +76,12 @@ pub enum Error {
          executed in it, start a new task"
     )]
     InitExited { id: String },
+    /// A test's failpoint fired (see `failpoint`): never outside the fault-injection suite.
+    #[error(
+        "failpoint {point} fired (GPUCR_FAILPOINTS is set in containerd's environment: unset \
+         it outside tests)"
+    )]
+    Failpoint { point: &'static str },
 }
 
 /// What a failed checkpoint left of the task: runc's own state, asked after the failure
@@ -146,6 +152,7 @@ impl Error {
             | Error::Gpu(_)
             | Error::Hook(_)
             | Error::Cgroup(_)
+            | Error::Failpoint { .. }
             | Error::Io { .. } => Code::UNKNOWN,
         }
     }

@@ -183,6 +183,15 @@ pub struct Containerd {
     log_path: PathBuf,
     runtime: String,
     daemon: Daemon,
+    launch: Launch,
+}
+
+/// How the daemon was started, to start it again the same way (`Containerd::restart`).
+struct Launch {
+    config: PathBuf,
+    path: std::ffi::OsString,
+    tmp: PathBuf,
+    env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
 }
 
 impl Containerd {
@@ -239,12 +248,6 @@ impl Containerd {
         };
         fs::write(&config_path, config)
             .map_err(HarnessError::io("write containerd config", &config_path))?;
-        let log = fs::File::create(&log_path)
-            .map_err(HarnessError::io("create containerd log", &log_path))?;
-        let log_err = log
-            .try_clone()
-            .map_err(HarnessError::io("dup containerd log", &log_path))?;
-
         let path = std::env::var_os("PATH").unwrap_or_default();
         // gpucr's shim first, then the daemon's own binaries (2.x's runc shim), then PATH.
         let mut dirs: Vec<PathBuf> = shim_dir.iter().cloned().collect();
@@ -255,33 +258,60 @@ impl Containerd {
         // one of the daemon's own, so a test can see what is left there.
         let tmp = root.join("tmp");
         fs::create_dir(&tmp).map_err(HarnessError::io("create containerd's TMPDIR", &tmp))?;
-        let child = Command::new(&daemon.containerd)
-            .arg("--config")
-            .arg(&config_path)
-            .env("PATH", path)
-            .env("TMPDIR", &tmp)
-            .env_remove("XDG_RUNTIME_DIR")
-            .envs(opts.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log_err)
-            .spawn()
-            .map_err(|source| HarnessError::Spawn {
-                command: daemon.containerd.display().to_string(),
-                source,
-            })?;
-        let containerd = Self {
+        let mut containerd = Self {
             dir: Some(dir),
             root,
-            child: Some(child),
+            child: None,
             address,
             namespace,
             log_path,
             runtime,
             daemon,
+            launch: Launch {
+                config: config_path,
+                path,
+                tmp,
+                env: opts.env,
+            },
         };
+        containerd.child = Some(containerd.spawn_daemon()?);
         containerd.wait_ready()?;
         Ok(containerd)
+    }
+
+    fn spawn_daemon(&self) -> Result<Child> {
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .map_err(HarnessError::io("open containerd log", &self.log_path))?;
+        let log_err = log
+            .try_clone()
+            .map_err(HarnessError::io("dup containerd log", &self.log_path))?;
+        let l = &self.launch;
+        Command::new(&self.daemon.containerd)
+            .arg("--config")
+            .arg(&l.config)
+            .env("PATH", &l.path)
+            .env("TMPDIR", &l.tmp)
+            .env_remove("XDG_RUNTIME_DIR")
+            .envs(l.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log_err)
+            .spawn()
+            .map_err(|source| HarnessError::Spawn {
+                command: self.daemon.containerd.display().to_string(),
+                source,
+            })
+    }
+
+    /// Stops the daemon (SIGTERM: its shims and their containers live on) and starts it
+    /// again with the same root, config and environment; it reconnects to the shims.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop_daemon();
+        self.child = Some(self.spawn_daemon()?);
+        self.wait_ready()
     }
 
     fn wait_ready(&self) -> Result<()> {

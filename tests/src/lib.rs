@@ -24,6 +24,7 @@ pub mod error;
 pub mod fake_cuda;
 pub mod image;
 pub mod installed;
+pub mod manifest;
 pub mod poll;
 pub mod procfs;
 pub mod registry;

@@ -346,3 +346,199 @@ fn the_shim_killed_mid_restore_leaves_no_unpacked_copy() {
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.assert_every_verb_works(&id);
 }
+
+/// The shim's failpoints (shim-v2/src/failpoint.rs): a file `<dir>/<point>` in the directory
+/// `GPUCR_FAILPOINTS` names fails the point once; `pause` in it holds the point while
+/// `<point>.held` exists.
+pub struct Failpoints {
+    dir: tempfile::TempDir,
+}
+
+impl Failpoints {
+    fn new() -> Failpoints {
+        Failpoints {
+            dir: tempfile::Builder::new()
+                .prefix("gpucr-failpoints-")
+                .tempdir()
+                .unwrap(),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The next pass through `point` fails.
+    fn fail(&self, point: &str) {
+        std::fs::write(self.path().join(point), "").unwrap();
+    }
+
+    /// The next pass through `point` holds until [`Failpoints::release`].
+    fn pause(&self, point: &str) {
+        std::fs::write(self.path().join(point), "pause").unwrap();
+    }
+
+    fn wait_held(&self, point: &str) {
+        let held = self.path().join(format!("{point}.held"));
+        poll_until(
+            &format!("the shim holds at {point}"),
+            Duration::from_secs(30),
+            || Ok(if held.exists() { Ok(()) } else { Err(()) }),
+        )
+        .unwrap();
+    }
+
+    fn release(&self, point: &str) {
+        std::fs::remove_file(self.path().join(format!("{point}.held"))).unwrap();
+    }
+
+    /// The shim went through `point` (its file was taken).
+    fn fired(&self, point: &str) -> bool {
+        !self.path().join(point).exists()
+    }
+}
+
+const CHECKPOINT_POINTS: [&str; 4] = [
+    "checkpoint.before-freeze",
+    "checkpoint.after-copy-out",
+    "checkpoint.before-dump",
+    "checkpoint.before-manifest",
+];
+
+#[test]
+fn every_checkpoint_failpoint_leaves_the_task_running_and_usable() {
+    let points = Failpoints::new();
+    let Some(f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    for point in CHECKPOINT_POINTS {
+        let id = unique_id("flt-fp");
+        f.counter(&id);
+        points.fail(point);
+        let out = f.checkpoint(&id, "fp");
+        assert!(points.fired(point), "{point} was not reached");
+        assert!(
+            !out.success(),
+            "{point}: the checkpoint must fail: {}",
+            out.stdout
+        );
+        assert!(
+            out.stderr.contains(&format!("failpoint {point} fired")),
+            "{point}: the error names the step: {}",
+            out.stderr
+        );
+        // ctr resumes the task it paused around the checkpoint.
+        f.assert_every_verb_works(&id);
+    }
+}
+
+#[test]
+fn every_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
+    let points = Failpoints::new();
+    let Some(f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    let id = unique_id("flt-fprs");
+    f.counter(&id);
+    let reference = format!("docker.io/gpucr/faults-fprs:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let checkpointed = f.ctd.read_counter(&id).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    // restore.before-hook-copy-in is the hook's (hook_fastpath.rs): a CPU task has no hook.
+    for point in ["restore.before-criu", "restore.after-criu"] {
+        points.fail(point);
+        let out = f
+            .ctd
+            .ctr(&["container", "restore", "--live", "--rw", &id, &reference])
+            .unwrap();
+        assert!(points.fired(point), "{point} was not reached");
+        assert!(
+            !out.success(),
+            "{point}: the restore must fail: {}",
+            out.stdout
+        );
+        assert!(
+            out.stderr.contains(&format!("failpoint {point} fired")),
+            "{point}: the error names the step: {}",
+            out.stderr
+        );
+        f.ctd.wait_unpacked_removed().unwrap();
+        let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
+        let _ = f.ctd.ctr(&["container", "rm", &id]);
+        f.assert_nothing_left(&id);
+    }
+    f.ctd.container_restore(&id, &reference, true).unwrap();
+    f.ctd
+        .wait_counter_above(&id, checkpointed)
+        .expect("the restored counter goes on from the checkpoint");
+    f.assert_every_verb_works(&id);
+}
+
+#[test]
+fn containerd_restarted_mid_checkpoint_leaves_the_task_usable() {
+    let points = Failpoints::new();
+    let Some(mut f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    let id = unique_id("flt-ctdck");
+    f.counter(&id);
+    let point = "checkpoint.before-dump";
+    points.pause(point);
+    let cmd = f
+        .ctd
+        .ctr_cmd()
+        .args(["task", "checkpoint", &id])
+        .timeout(Duration::from_secs(60));
+    let ck = std::thread::spawn(move || cmd.output());
+    points.wait_held(point);
+    f.ctd.restart().unwrap();
+    points.release(point);
+    let _ = ck.join().unwrap().expect("ctr ran");
+    // The shim finished the checkpoint on its own. ctr paused the task around it and may
+    // have lost its daemon before its resume: the task is then reported paused, truly.
+    let status = poll_until("the task settles", Duration::from_secs(30), || {
+        Ok(match f.ctd.task_status(&id)? {
+            Some(s) if s == "RUNNING" || s == "PAUSED" => Ok(s),
+            other => Err(other),
+        })
+    })
+    .unwrap();
+    if status == "PAUSED" {
+        f.ctd.ctr_ok(&["task", "resume", &id]).unwrap();
+    }
+    f.assert_every_verb_works(&id);
+}
+
+#[test]
+fn containerd_restarted_mid_restore_leaves_a_running_task() {
+    let points = Failpoints::new();
+    let Some(mut f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    let id = unique_id("flt-ctdrs");
+    f.counter(&id);
+    let reference = format!("docker.io/gpucr/faults-ctdrs:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let checkpointed = f.ctd.read_counter(&id).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    let point = "restore.before-criu";
+    points.pause(point);
+    let cmd = f
+        .ctd
+        .ctr_cmd()
+        .args(["container", "restore", "--live", "--rw", &id, &reference])
+        .timeout(Duration::from_secs(60));
+    let rs = std::thread::spawn(move || cmd.output());
+    points.wait_held(point);
+    f.ctd.restart().unwrap();
+    points.release(point);
+    let _ = rs.join().unwrap().expect("ctr ran");
+    // The shim finished the restore on its own: containerd finds the task running, and
+    // the unpacked copy of the checkpoint was removed.
+    f.ctd.wait_status(&id, "RUNNING").unwrap();
+    f.ctd
+        .wait_counter_above(&id, checkpointed)
+        .expect("the restored counter goes on from the checkpoint");
+    f.ctd.wait_unpacked_removed().unwrap();
+    f.assert_every_verb_works(&id);
+}

@@ -16,6 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, LOCKED, RUNNING};
+use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
@@ -558,24 +559,6 @@ fn failed_manifest_after_the_dump_resumes_the_gpu() {
     assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
     g.assert_recovered(&id, &[pid]);
     g.ctd.remove_container(&id).unwrap();
-}
-
-fn fnv1a64(data: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in data {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
-}
-
-/// Rewrites `name` in image `dir` and its manifest entry, as if the checkpoint wrote it so.
-fn rewrite_with_manifest(dir: &Path, name: &str, data: &[u8]) {
-    std::fs::write(dir.join(name), data).unwrap();
-    let path = dir.join("gpucr-checkpoint.json");
-    let mut manifest: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    manifest["files"][name] = serde_json::json!({ "size": data.len(), "fnv1a64": fnv1a64(data) });
-    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
 }
 
 /// True while runc has state for container `id` (the shim's default runc root).

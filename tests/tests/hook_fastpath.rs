@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use gpucr_tests::fake_cuda::{self, FakeCuda};
 use gpucr_tests::image::{BusyboxImage, LayerFile};
+use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
@@ -40,6 +41,11 @@ struct Hooked {
 }
 
 fn start() -> Option<Hooked> {
+    start_with(&[])
+}
+
+/// [`start`] with more environment for the daemon and its shims.
+fn start_with(extra: &[(String, String)]) -> Option<Hooked> {
     let runtime = runtime_under_test();
     if runtime != GPUCR_RUNTIME {
         eprintln!("skipped: the hook is gpucr's, the runtime under test is {runtime}");
@@ -49,7 +55,9 @@ fn start() -> Option<Hooked> {
     // The installed library (the shim's default) and the installed CRIU plugin, which
     // leaves the shim's processes to the shim.
     let hook_lib = fake_cuda::hook_lib().expect("libgpucr_hook.so");
-    let ctd = Containerd::start_with_env(&fake.env()).expect("containerd");
+    let mut env = fake.env();
+    env.extend_from_slice(extra);
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
     let layout = app_layout(&fake.lib(), &hook_lib);
     ctd.import_layout(&layout, &[])
         .expect("import the app image");
@@ -512,30 +520,6 @@ fn failed_driver_lock_gives_the_memory_back() {
     g.ctd.remove_container(&id).unwrap();
 }
 
-fn fnv1a64(data: &[u8]) -> String {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for b in data {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x100000001b3);
-    }
-    format!("{h:016x}")
-}
-
-/// Rewrites `name` in image `dir` and its manifest entry, as if the checkpoint wrote it so:
-/// only the hook's own checksums can find the damage.
-fn rewrite_with_manifest(dir: &Path, name: &str, data: &[u8]) {
-    std::fs::write(dir.join(name), data).unwrap();
-    let path = dir.join("gpucr-checkpoint.json");
-    let mut manifest: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-    let entry = &mut manifest["files"][name];
-    let checksummed = entry.get("fnv1a64").is_some();
-    *entry = serde_json::json!({ "size": data.len() });
-    if checksummed {
-        entry["fnv1a64"] = fnv1a64(data).into();
-    }
-    std::fs::write(&path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
-}
-
 #[test]
 fn damaged_hook_image_is_refused_before_anything_is_created() {
     let Some(g) = start() else {
@@ -656,4 +640,70 @@ fn a_hooked_checkpoint_survives_cris_copy_and_restores() {
     g.restore_from_dir(&id, &dir, &spec, &hash);
     g.ctd.remove_container(&id).unwrap();
     let _ = g.ctd.remove_image(&reference);
+}
+
+/// The failpoints of the hook's steps (see faults.rs for the rest): each fails once, the
+/// program keeps its device memory and runs on, a failed restore leaves no task, and the
+/// checkpoint restores after.
+#[test]
+fn every_hook_failpoint_ends_clean() {
+    let points = tempfile::tempdir().unwrap();
+    let dir_env = points.path().to_string_lossy().into_owned();
+    let Some(g) = start_with(&[("GPUCR_FAILPOINTS".into(), dir_env)]) else {
+        return;
+    };
+    let arm = |point: &str| std::fs::write(points.path().join(point), "").unwrap();
+    let fired = |point: &str| !points.path().join(point).exists();
+    let named = |err: &str, point: &str| {
+        assert!(
+            err.contains(&format!("failpoint {point} fired")),
+            "the error names {point}: {err}"
+        )
+    };
+    let id = unique_id("hook-fp");
+    let (_pid, hash) = g.run_app(&id, "on");
+    for point in [
+        "checkpoint.after-copy-out",
+        "checkpoint.before-dump",
+        "checkpoint.before-manifest",
+    ] {
+        arm(point);
+        let err = g
+            .ctd
+            .task_checkpoint(&id, &[])
+            .expect_err("a checkpoint through a failpoint")
+            .to_string();
+        assert!(fired(point), "{point} was not reached");
+        named(&err, point);
+        g.ctd.wait_status(&id, "RUNNING").unwrap();
+        g.assert_memory_kept(&id, &hash);
+    }
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let dir = g.ctd.dir().join("failpoint-images");
+    let flags = CheckpointFlags {
+        image_path: Some(&dir),
+        ..Default::default()
+    };
+    g.ctd
+        .checkpoint_with_flags(&id, &flags)
+        .expect("checkpoint");
+    g.assert_memory_kept(&id, &hash);
+    g.ctd.remove_container(&id).unwrap();
+    for point in ["restore.after-criu", "restore.before-hook-copy-in"] {
+        arm(point);
+        let err = g
+            .ctd
+            .restore_from_image_path(&id, &dir, APP_IMAGE, &spec)
+            .expect_err("a restore through a failpoint")
+            .to_string();
+        assert!(fired(point), "{point} was not reached");
+        named(&err, point);
+        let _ = g.ctd.ctr(&["task", "rm", "-f", &id]);
+        let _ = g.ctd.ctr(&["container", "rm", &id]);
+        assert_eq!(g.ctd.task_status(&id).unwrap(), None, "no task {id}");
+        let members = procfs::cgroup_members(g.ctd.namespace());
+        assert!(members.is_empty(), "{point}: processes left {members:?}");
+    }
+    g.restore_from_dir(&id, &dir, &spec, &hash);
+    g.ctd.remove_container(&id).unwrap();
 }

@@ -258,6 +258,32 @@ fn task_api_checkpoint_restore_like_cri() {
         shim.status().is_err_and(|e| is_not_found(&e)),
         "no half-created task after a refused restore"
     );
+    // Same size, one byte changed in every page (the silent data loss): refused,
+    // naming the file and where.
+    let name = biggest
+        .1
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let mut data = std::fs::read(image.join(&name)).unwrap();
+    for at in (0..data.len()).step_by(4096) {
+        data[at] ^= 0x5a;
+    }
+    std::fs::write(&biggest.1, &data).unwrap();
+    let err = format!(
+        "{:?}",
+        shim.create(Some(&damaged))
+            .expect_err("damaged image refused")
+    );
+    assert!(
+        err.contains(&name) && err.contains("damaged at byte offset 0"),
+        "{err}"
+    );
+    assert!(
+        shim.status().is_err_and(|e| is_not_found(&e)),
+        "no half-created task after a refused restore"
+    );
     let err = shim
         .create(Some(&ctd.dir().join("missing")))
         .expect_err("missing image refused");
