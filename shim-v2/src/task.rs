@@ -617,7 +617,13 @@ impl TaskService {
 
     pub async fn task_pids(&self, req: PidsRequest) -> Result<PidsResponse> {
         let c = self.inner.container(&req.id)?;
-        let pids = c.runc.ps(&req.id).await?;
+        // A restore armed at Create has no runc container until its Start: no processes
+        // yet (an error here would make a restarted containerd clean the task up as leaked).
+        let pids = if c.pid() == 0 {
+            Vec::new()
+        } else {
+            c.runc.ps(&req.id).await?
+        };
         let mut exec_pids = HashMap::new();
         let execs: Vec<_> = c
             .execs
