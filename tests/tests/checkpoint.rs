@@ -288,3 +288,62 @@ fn restored_task_checkpoints_again() {
     }
     ctd.remove_container(&id).unwrap();
 }
+
+/// The cgroup `pid` is in: cgroup v1's `pids` hierarchy where there is one, else v2's.
+fn cgroup_of(pid: u32) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let line = |prefix: &str| {
+        text.lines()
+            .find(|l| l.contains(prefix))
+            .map(|l| l.rsplit(':').next().unwrap().to_owned())
+    };
+    line(":pids:")
+        .or_else(|| line("0::"))
+        .unwrap_or_else(|| panic!("no cgroup of {pid}: {text}"))
+}
+
+// Ignored: both restores run in the checkpointed container's cgroup because the spec a
+// restore gets is the checkpoint's, whose linux.cgroupsPath names the original container
+// (runc's state.json of each restore lists the original's paths, on cgroup v1 and v2; the same
+// with containerd's runc shim). The shim must rewrite that path at a restore's Create (#27.7).
+#[test]
+#[ignore = "a restore's spec keeps the checkpointed container's cgroupsPath (#27.7, left)"]
+fn one_checkpoint_restored_twice_gets_two_cgroups() {
+    let (ctd, image) = setup();
+    let id = unique_id("ck-cg");
+    let reference = format!("docker.io/gpucr/ckpt-{id}:1");
+    warm_counter(&ctd, &id, &image);
+    ctd.container_checkpoint(&id, &reference, true)
+        .expect("ctr container checkpoint --task --rw");
+    ctd.remove_container(&id).unwrap();
+    let (a, b) = (format!("{id}-a"), format!("{id}-b"));
+    for r in [&a, &b] {
+        ctd.container_restore(r, &reference, true)
+            .expect("ctr container restore --live --rw");
+        ctd.wait_status(r, "RUNNING").unwrap();
+    }
+    let (ca, cb) = (
+        cgroup_of(ctd.task_pid(&a).unwrap()),
+        cgroup_of(ctd.task_pid(&b).unwrap()),
+    );
+    let runc_paths = |r: &str| {
+        let state = std::path::Path::new("/run/containerd/runc")
+            .join(ctd.namespace())
+            .join(r)
+            .join("state.json");
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(state).unwrap_or_default()).unwrap_or_default();
+        v["cgroup_paths"].to_string()
+    };
+    assert_ne!(
+        ca,
+        cb,
+        "two restores of one checkpoint share a cgroup; runc's paths: {} / {}",
+        runc_paths(&a),
+        runc_paths(&b)
+    );
+    assert!(ca.ends_with(&a) && cb.ends_with(&b), "{ca} {cb}");
+    for r in [&a, &b] {
+        ctd.remove_container(r).unwrap();
+    }
+}
