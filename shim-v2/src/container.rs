@@ -341,6 +341,15 @@ impl Container {
                 hook_spec::inject_at_restore(&cfg.bundle).map_err(refuse)?;
             }
             gpu_pairs = host::plan_restore(&cfg.bundle, image).map_err(refuse)?;
+            // Its own cgroup, not the checkpointed container's (see restore_cgroup).
+            if let Some(old) = crate::manifest::checkpointed_id(image) {
+                let renamed = crate::restore_cgroup::rename_spec_cgroup(&cfg.bundle, &old, &cfg.id)
+                    .map_err(|e| refuse(Error::io("renaming the spec's cgroup", e)))?;
+                if let Some(cgroup) = renamed {
+                    tracing::info!(id = %cfg.id, %cgroup, checkpointed = %old,
+                        "the restore gets its own cgroup");
+                }
+            }
         } else {
             // One read and (when something changed) one write of config.json for both.
             let config = cfg.bundle.join("config.json");

@@ -247,6 +247,13 @@ fn fnv1a64(data: &[u8]) -> String {
     format!("{h:016x}")
 }
 
+/// The id of the container the image was checkpointed from (none without gpucr's manifest).
+pub fn checkpointed_id(image: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(image.join(MANIFEST)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["container_id"].as_str().map(str::to_owned)
+}
+
 /// Bytes of the image's top-level files: what CRIU reads in a restore (the hook's images
 /// under `gpu-hook/` are not CRIU's).
 pub fn image_bytes(image: &Path) -> u64 {

@@ -9,6 +9,11 @@
 //! ignore` is 1.2+ only), so after `runc restore` and before the GPU is given back, the shim
 //! moves the restored tree into the cgroup runc made for this container. On cgroup v1 runc
 //! passes every controller's root to CRIU, and nothing needs moving.
+//!
+//! Before either, a restore's spec is the checkpoint's (ctr, the Task API), whose
+//! `linux.cgroupsPath` names the checkpointed container's cgroup: two restores of one
+//! checkpoint would get one cgroup on both versions. `rename_spec_cgroup` gives the restored
+//! container its own at Create.
 
 use std::path::{Path, PathBuf};
 
@@ -37,6 +42,32 @@ pub enum CgroupError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Points `linux.cgroupsPath` of the bundle's spec at the restored container `id` where its
+/// last component (after `/`, or `:` for systemd's `slice:prefix:name`) is the checkpointed
+/// container's id; returns the new path when it changed it.
+pub fn rename_spec_cgroup(
+    bundle: &Path,
+    checkpointed: &str,
+    id: &str,
+) -> std::io::Result<Option<String>> {
+    if checkpointed.is_empty() || checkpointed == id {
+        return Ok(None);
+    }
+    let path = bundle.join("config.json");
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    let Some(cgroup) = spec["linux"]["cgroupsPath"].as_str() else {
+        return Ok(None);
+    };
+    let cut = cgroup.rfind(['/', ':']).map_or(0, |i| i + 1);
+    if cgroup[cut..] != *checkpointed {
+        return Ok(None);
+    }
+    let renamed = format!("{}{id}", &cgroup[..cut]);
+    spec["linux"]["cgroupsPath"] = renamed.clone().into();
+    std::fs::write(&path, serde_json::to_vec(&spec)?)?;
+    Ok(Some(renamed))
 }
 
 /// Moves `init` and its descendants into the container's own cgroup (runc's state of `id`
@@ -90,4 +121,41 @@ fn current_cgroup(pid: i32) -> Option<PathBuf> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
     Some(Path::new(CGROUP2_ROOT).join(rel.trim_start_matches('/')))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec_with(dir: &Path, cgroup: &str) {
+        let spec = serde_json::json!({"linux": {"cgroupsPath": cgroup}});
+        std::fs::write(dir.join("config.json"), spec.to_string()).unwrap();
+    }
+
+    fn cgroup_of(dir: &Path) -> String {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+        v["linux"]["cgroupsPath"].as_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn the_checkpointed_containers_cgroup_is_renamed_for_the_restore() {
+        let d = tempfile::tempdir().unwrap();
+        spec_with(d.path(), "/k8s.io/old");
+        assert_eq!(
+            rename_spec_cgroup(d.path(), "old", "new")
+                .unwrap()
+                .as_deref(),
+            Some("/k8s.io/new")
+        );
+        assert_eq!(cgroup_of(d.path()), "/k8s.io/new");
+        spec_with(d.path(), "system.slice:cri-containerd:old");
+        rename_spec_cgroup(d.path(), "old", "new").unwrap();
+        assert_eq!(cgroup_of(d.path()), "system.slice:cri-containerd:new");
+        // A cgroup of the client's choosing (CRI's new pod) stays.
+        spec_with(d.path(), "/kubepods/pod1/other");
+        assert_eq!(rename_spec_cgroup(d.path(), "old", "new").unwrap(), None);
+        assert_eq!(cgroup_of(d.path()), "/kubepods/pod1/other");
+        assert_eq!(rename_spec_cgroup(d.path(), "new", "new").unwrap(), None);
+    }
 }

@@ -302,12 +302,9 @@ fn cgroup_of(pid: u32) -> String {
         .unwrap_or_else(|| panic!("no cgroup of {pid}: {text}"))
 }
 
-// Ignored: both restores run in the checkpointed container's cgroup because the spec a
-// restore gets is the checkpoint's, whose linux.cgroupsPath names the original container
-// (runc's state.json of each restore lists the original's paths, on cgroup v1 and v2; the same
-// with containerd's runc shim). The shim must rewrite that path at a restore's Create (#27.7).
+/// The spec a restore gets is the checkpoint's, whose linux.cgroupsPath names the original
+/// container (as with containerd's runc shim): the shim renames it at Create (#27.7).
 #[test]
-#[ignore = "a restore's spec keeps the checkpointed container's cgroupsPath (#27.7, left)"]
 fn one_checkpoint_restored_twice_gets_two_cgroups() {
     let (ctd, image) = setup();
     let id = unique_id("ck-cg");
