@@ -5,7 +5,10 @@
 #                `sleep` after CRIU)
 #   carry/bin/   containerd-shim-gpucr-v2, libgpucr_criu_plugin.so, libgpucr_hook.so and shim-ckpt
 #                (release builds; shim-ckpt: h200-e2e.sh's scenario s)
-# usage: tests/gpu/prepare-carry.sh [--no-build]
+# usage: tests/gpu/prepare-carry.sh [--no-build] [--cri]
+#   --cri  for tests/gpu/h200-cri.sh instead: containerd 2.x (Debian sid's) and checkpointctl
+#          (trixie's) in place of containerd 1.7, both from tests/containerd2.sh's download
+#          directory (run it first), and the cri-gpu driver in carry/bin (xz)
 # The release binaries come from $CARGO_TARGET_DIR/release (default target/release); they are
 # built first unless --no-build is given. carry/ is git-ignored; the device tool takes it along
 # when `carry` names it. Needs apt sources for trixie (see install/deps.sh) and bookworm.
@@ -14,7 +17,14 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 build=1
-[ "${1:-}" = --no-build ] && build=0
+cri=0
+for a in "$@"; do
+  case $a in
+    --no-build) build=0 ;;
+    --cri) cri=1 ;;
+    *) echo "usage: $0 [--no-build] [--cri]" >&2; exit 2 ;;
+  esac
+done
 
 # Packages that run on the GPU machine when extracted with dpkg -x (see shared/notes/gpu-facts.md).
 trixie_pkgs=(
@@ -31,14 +41,26 @@ target=${CARGO_TARGET_DIR:-$repo/target}
 if [ "$build" = 1 ]; then
   echo "== cargo build --release (target dir $target)"
   CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload
-  CARGO_TARGET_DIR=$target cargo build --release -p gpucr-tests --bin shim-ckpt
+  CARGO_TARGET_DIR=$target cargo build --release -p gpucr-tests --bin shim-ckpt --bin cri-gpu
+fi
+if [ "$cri" = 1 ]; then
+  # containerd 2.x in place of 1.7: the device tool's 64 MiB do not hold both.
+  trixie_pkgs=("${trixie_pkgs[@]/containerd}")
 fi
 
 rm -rf carry/debs carry/bin
 mkdir -p carry/debs carry/bin
 
 echo "== apt-get download (trixie): ${trixie_pkgs[*]}"
-( cd carry/debs && apt-get download -t trixie "${trixie_pkgs[@]}" )
+( cd carry/debs && apt-get download -t trixie ${trixie_pkgs[*]} )
+if [ "$cri" = 1 ]; then
+  c2debs=${GPUCR_CONTAINERD2_DEBS:-/opt/gpucr-test/apt/debs}
+  for p in containerd checkpointctl; do
+    deb=$(ls -t "$c2debs"/${p}_*.deb 2>/dev/null | head -1)
+    [ -n "$deb" ] || { echo "error: no ${p} .deb in $c2debs: run tests/containerd2.sh first" >&2; exit 1; }
+    cp "$deb" carry/debs/
+  done
+fi
 
 # busybox-static from bookworm: pick the newest 1.35 version apt knows.
 bb_version=$(apt-cache madison busybox-static | awk -F'|' '{gsub(/ /,"",$2); print $2}' | grep -m1 '1\.35\.' || true)
@@ -46,7 +68,7 @@ bb_version=$(apt-cache madison busybox-static | awk -F'|' '{gsub(/ /,"",$2); pri
 echo "== apt-get download busybox-static=$bb_version"
 ( cd carry/debs && apt-get download "busybox-static=$bb_version" )
 
-for p in "${trixie_pkgs[@]}" busybox-static; do
+for p in ${trixie_pkgs[*]} busybox-static; do
   ls carry/debs/"${p}"_*.deb >/dev/null 2>&1 || { echo "error: no .deb for $p in carry/debs" >&2; exit 1; }
 done
 
@@ -59,6 +81,12 @@ strip carry/bin/* 2>/dev/null || true
 # The shim is the largest file; compressed, everything fits the device tool's 64 MiB
 # (h200-e2e.sh unpacks it with python3's lzma).
 xz -T0 -6 -f carry/bin/containerd-shim-gpucr-v2
+if [ "$cri" = 1 ]; then
+  cp "$target/release/cri-gpu" carry/bin/
+  strip carry/bin/cri-gpu 2>/dev/null || true
+  xz -T0 -6 -f carry/bin/cri-gpu
+  rm -f carry/bin/shim-ckpt
+fi
 
 echo "== carry/"
 ls -l carry/debs carry/bin
@@ -70,4 +98,8 @@ if [ $((carry_kib + tree_kib)) -gt $((limit_mib * 1024)) ]; then
   echo "error: carry/ plus the working tree is over ${limit_mib} MiB" >&2
   exit 1
 fi
-echo "ok: run on the GPU machine with carry=[\"carry\"]: bash tests/gpu/h200-e2e.sh"
+if [ "$cri" = 1 ]; then
+  echo "ok: run on the GPU machine with carry=[\"carry\"]: bash tests/gpu/h200-cri.sh"
+else
+  echo "ok: run on the GPU machine with carry=[\"carry\"]: bash tests/gpu/h200-e2e.sh"
+fi

@@ -144,6 +144,9 @@ pub struct StartOptions {
     /// Enables CRI (containerd 2.x): TOML appended to the config, e.g. the CRI plugins'
     /// runtime and registry tables.
     pub cri: Option<String>,
+    /// Files the config imports (containerd 2.x), e.g. the drop-in install/install.sh writes:
+    /// `/etc/containerd/conf.d/*.toml`.
+    pub imports: Vec<String>,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -244,7 +247,7 @@ impl Containerd {
         let config_path = root.join("config.toml");
         let config = match daemon.major {
             0 | 1 => config_toml_v2(&root, &address),
-            _ => config_toml_v3(&root, &address, opts.cri.as_deref()),
+            _ => config_toml_v3(&root, &address, opts.cri.as_deref(), &opts.imports),
         };
         fs::write(&config_path, config)
             .map_err(HarnessError::io("write containerd config", &config_path))?;
@@ -557,13 +560,23 @@ fn config_toml_v2(root: &Path, address: &Path) -> String {
 }
 
 /// containerd 2.x: config version 3; CRI's plugins disabled unless `cri` has their tables.
-fn config_toml_v3(root: &Path, address: &Path, cri: Option<&str>) -> String {
+fn config_toml_v3(root: &Path, address: &Path, cri: Option<&str>, imports: &[String]) -> String {
     let mut disabled = [DISABLED_PLUGINS, DISABLED_PLUGINS_2].concat();
     if cri.is_none() {
         disabled.extend_from_slice(CRI_PLUGINS_2);
     }
     let common = config_common(root, address, &toml_list(&disabled));
-    format!("version = 3\n{common}\n{}\n", cri.unwrap_or_default())
+    // Top-level keys come before the first table.
+    let imports: Vec<&str> = imports.iter().map(String::as_str).collect();
+    let imports = if imports.is_empty() {
+        String::new()
+    } else {
+        format!("imports = [{}]\n", toml_list(&imports))
+    };
+    format!(
+        "version = 3\n{imports}{common}\n{}\n",
+        cri.unwrap_or_default()
+    )
 }
 
 fn config_common(root: &Path, address: &Path, disabled: &str) -> String {

@@ -426,7 +426,28 @@ impl Handler {
 /// first is the default), the pause image, the registry's hosts.toml directory, no CNI
 /// configured (the pods use the host's network).
 pub fn cri_config(dir: &Path, handlers: &[Handler], pause: &str, certs_d: &Path) -> String {
+    cri_config_cdi(dir, handlers, pause, certs_d, &[])
+}
+
+/// [`cri_config`] with CDI on when `cdi_spec_dirs` names any: CRI then resolves a container's
+/// `cdi_devices` (what kubelet passes from a device plugin) from the specs there.
+pub fn cri_config_cdi(
+    dir: &Path,
+    handlers: &[Handler],
+    pause: &str,
+    certs_d: &Path,
+    cdi_spec_dirs: &[PathBuf],
+) -> String {
     let rt = r#"[plugins."io.containerd.cri.v1.runtime".containerd.runtimes"#;
+    let cdi = if cdi_spec_dirs.is_empty() {
+        "enable_cdi = false".to_owned()
+    } else {
+        let dirs: Vec<String> = cdi_spec_dirs
+            .iter()
+            .map(|d| format!("{:?}", d.display().to_string()))
+            .collect();
+        format!("enable_cdi = true\n  cdi_spec_dirs = [{}]", dirs.join(", "))
+    };
     let mut text = format!(
         r#"[plugins."io.containerd.cri.v1.images"]
   snapshotter = "overlayfs"
@@ -440,7 +461,7 @@ pub fn cri_config(dir: &Path, handlers: &[Handler], pause: &str, certs_d: &Path)
   stream_server_address = "127.0.0.1"
 
 [plugins."io.containerd.cri.v1.runtime"]
-  enable_cdi = false
+  {cdi}
   # The pause container's -998 (kubelet's) needs CAP_SYS_RESOURCE, which a test machine that
   # is itself a container may lack: no lower than containerd's own.
   restrict_oom_score_adj = true
