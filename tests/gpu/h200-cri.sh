@@ -169,13 +169,15 @@ else
     [ -e "$dev" ] && { nodes+="${nodes:+,}{\"path\": \"$dev\"}"; GPU_DEVICES+=("$dev"); }
   done
   # The spec a device plugin's CDI mode writes: the nodes, the driver, the GPU's UUID.
+  driver_mount=""
+  [ -d /usr/local/nvidia ] && driver_mount=', "mounts": [{"hostPath": "/usr/local/nvidia", "containerPath": "/usr/local/nvidia", "options": ["ro", "rbind"]}]'
   cat >"$DATA/cdi/nvidia.json" <<EOF
 {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
  "devices": [{"name": "0", "containerEdits": {
    "env": ["NVIDIA_VISIBLE_DEVICES=$GPU_UUID"],
-   "deviceNodes": [$nodes],
-   "mounts": [{"hostPath": "/usr/local/nvidia", "containerPath": "/usr/local/nvidia", "options": ["ro", "rbind"]}]}}]}
+   "deviceNodes": [$nodes]$driver_mount}}]}
 EOF
+  log "GPU $GPU_UUID; devices ${GPU_DEVICES[*]}; driver dir: $(ls -d /usr/local/nvidia 2>/dev/null || echo none)"
   cp "$DATA/cdi/nvidia.json" "$OUT/cdi-nvidia.json"
   # The PyTorch image: mount points for the host's python and torch, bound read-only.
   info=$(python3 -c 'import os, sys, torch; print(os.path.dirname(torch.__file__)); print(sys.prefix); print(sys.base_prefix); print(os.path.realpath(sys.executable)); print(sys.executable)') \
@@ -222,7 +224,8 @@ fi
 # ---------------------------------------------------------------- the plan
 CTR_GPU_JSON=$(python3 -c 'import json, sys; a = []
 for d in sys.argv[1:]: a += ["--device", d]
-a += ["--mount", "type=bind,src=/usr/local/nvidia,dst=/usr/local/nvidia,options=rbind:ro"]
+import os
+if os.path.isdir("/usr/local/nvidia"): a += ["--mount", "type=bind,src=/usr/local/nvidia,dst=/usr/local/nvidia,options=rbind:ro"]
 print(json.dumps(a))' "${GPU_DEVICES[@]}")
 DEVICES_JSON=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${GPU_DEVICES[@]}")
 python3 - "$DATA/plan.json" <<EOF
