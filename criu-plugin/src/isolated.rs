@@ -1,8 +1,8 @@
 //! The driver's checkpoint API called from a child process, never from CRIU itself.
 //!
 //! Loading libcuda (and NVML) into CRIU can start threads there, and a multi-threaded CRIU
-//! cannot `setns` into the dumped container's mount namespace: the H200 run failed with
-//! `Can't setns 20/mnt: Invalid argument` once the plugin had called the driver in-process.
+//! cannot `setns` into the dumped container's mount namespace (the dump fails with
+//! `Can't setns 20/mnt: Invalid argument` once the driver was called in-process).
 //! So each call forks CRIU (single-threaded, so fork is safe), the child loads libcuda, makes
 //! the one call and writes the outcome to a pipe; the parent keeps only the answer. CRIU stays
 //! the tracer of the dumped tasks: the ptrace dance around the restore thread stays in the
@@ -80,7 +80,8 @@ fn unexpected(what: &str) -> DriverError {
 }
 
 /// Environment variable: the most seconds one driver call may take before its child is
-/// killed (default [`DEFAULT_CALL_TIMEOUT`]; a checkpoint moves about 2 GB/s).
+/// killed (default [`DEFAULT_CALL_TIMEOUT`]: room for a checkpoint of a large GPU's memory
+/// at the driver's speed, docs/BENCHMARKS.md).
 pub const CALL_TIMEOUT_ENV: &str = "GPUCR_PLUGIN_CALL_TIMEOUT_S";
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(300);
 /// Probing loads libcuda and asks its version: seconds, never minutes.

@@ -23,7 +23,8 @@ pub fn resume_devices_late(pid: i32) -> i32 {
         return ENOTSUP;
     };
     // Every call below needs the process's restore thread running: CRIU holds the restored
-    // tasks stopped here, and even GetState waits for that thread (the H200 run hung in it).
+    // tasks stopped here, and even GetState waits for that thread (it hangs while the
+    // thread is stopped).
     let r = with_restore_thread(tid as i32, || {
         let state = driver.get_state(upid).map_err(|e| e.to_string())?;
         let (restore, unlock) = match state {

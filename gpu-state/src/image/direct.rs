@@ -77,8 +77,8 @@ impl DirectMap {
         }
         let ptr = NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?;
         // Allocating up front turns a full tmpfs into an error here, not a SIGBUS during
-        // DMA. The kernel zeroes every new page: done by several threads at once (a
-        // serial fallocate of 16 GiB took seconds on the H200 host).
+        // DMA. The kernel zeroes every new page: done by several threads at once, because
+        // one thread's fallocate is bound by that zeroing (docs/BENCHMARKS.md).
         let populated = populate_parallel(ptr.as_ptr(), len);
         let populated = match populated {
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {

@@ -367,7 +367,7 @@ impl Worker {
 }
 
 /// BLAKE3 and CRC32C of `data` in one pass over cache-sized pieces: a chunk is read
-/// from memory once, not twice (about 20% faster per worker on large chunks).
+/// from memory once, not twice (figures: docs/BENCHMARKS.md).
 fn checksums(data: &[u8]) -> (ContentHash, u32) {
     const PIECE: usize = 256 << 10;
     let mut hasher = blake3::Hasher::new();

@@ -384,10 +384,10 @@ impl ImageReader {
     /// reads copy each chunk out of the page cache with `memcpy` (or decompress it from
     /// there) instead of `read(2)`. Only when every image of the chain is on tmpfs (a
     /// disk file reads better with readahead) and, with `huge_pages_only`, every data
-    /// file is kept in huge pages (`st_blksize` of 2 MiB: a tmpfs mounted `huge=`): on
-    /// the H200's VM a copy-in bound by its readers ran 6% faster that way than with
-    /// `pread`, while on 4 KiB pages it was 1.6× slower (page-table work). Returns
-    /// whether the files are mapped.
+    /// file is kept in huge pages (`st_blksize` of 2 MiB: a tmpfs mounted `huge=`): a
+    /// copy-in bound by its readers gains a little from the mapping there, while on 4 KiB
+    /// pages the page-table work makes it slower than `pread` (docs/BENCHMARKS.md).
+    /// Returns whether the files are mapped.
     /// The image must not be truncated while mapped (a read past a file's end would
     /// fault): finished images are never written again, and the sizes were checked at
     /// open.

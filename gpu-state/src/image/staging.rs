@@ -26,9 +26,9 @@ const HUGE: usize = 2 << 20;
 
 /// `len` bytes of anonymous memory, 2 MiB-aligned and advised as transparent huge pages,
 /// zeroed by the kernel as touched. Not the allocator: its `alloc_zeroed` of a page-aligned
-/// layout writes every byte (0.4–0.7 s and 512 MiB resident for the default pool before
-/// any use, measured), and huge pages make the first touch (the pinning) several times
-/// faster where the kernel grants them (`madvise` mode; a refusal is harmless).
+/// layout writes every byte (the whole pool resident, and time spent, before any use), and
+/// huge pages make the first touch (the pinning) cheaper where the kernel grants them
+/// (`madvise` mode; a refusal is harmless). Figures: docs/BENCHMARKS.md.
 fn map_huge(len: usize) -> std::io::Result<NonNull<u8>> {
     let span = len + HUGE;
     // SAFETY: a fresh mapping; no existing memory is touched.

@@ -22,7 +22,8 @@ use super::{plan, rss_kib, GpuCheckpointRecord, GpuProcess, Plan};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepTimeouts {
     pub lock: Duration,
-    /// Checkpoint copies device memory to host (measured ~2 GB/s per process).
+    /// Checkpoint copies device memory to host memory at the driver's speed, so this
+    /// step grows with the memory (figures: docs/BENCHMARKS.md).
     pub checkpoint: Duration,
     pub restore: Duration,
     pub unlock: Duration,

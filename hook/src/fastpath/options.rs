@@ -70,9 +70,9 @@ pub enum MapReads {
     /// the copy-in waits on the DMA, not on the readers, so mapping gains nothing
     /// measurable and populating the map costs time (docs/BENCHMARKS.md).
     Off,
-    /// Images on a tmpfs that keeps them in huge pages (`huge` or `1`): 6% faster than
-    /// `read(2)` when the readers bound the copy-in (32 MiB chunks: 16 buffers for 12
-    /// readers); on 4 KiB pages 1.6× slower, hence not there (docs/BENCHMARKS.md).
+    /// Images on a tmpfs that keeps them in huge pages (`huge` or `1`): a little faster
+    /// than `read(2)` when the readers bound the copy-in (32 MiB chunks: 16 buffers for 12
+    /// readers); slower on 4 KiB pages, hence not there (docs/BENCHMARKS.md).
     HugePages,
     /// Any image on tmpfs (`tmpfs`).
     Tmpfs,
