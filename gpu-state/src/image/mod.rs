@@ -6,8 +6,9 @@
 //! once, and a delta image refers to chunks its parent chain already stores. The format
 //! is specified in `FORMAT.md` next to this file.
 //!
-//! When to use: the hook's copy-out (device → staging buffer → [`ImageWriter`]) and the
-//! shim's copy-in ([`ImageReader`]); tools use [`ImageReader::inspect`] and
+//! When to use: the hook's copy-out (device → staging buffer → [`ImageWriter`]) and its
+//! copy-in ([`ImageReader`]); the shim opens images to check them before a restore and
+//! to plan its copy-in helpers' jobs; tools use [`ImageReader::inspect`] and
 //! [`ImageReader::verify`]. Downsides: the whole manifest is held in memory (about 200
 //! bytes per chunk: 4 MiB for 64 GiB at 4 MiB chunks), and a delta image is only
 //! readable while its parent is unchanged.

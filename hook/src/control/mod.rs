@@ -10,6 +10,10 @@
 //! Image directories may come as fds with the request (see [`crate::protocol`]): the
 //! controller turns the request's relative paths into `/proc/self/fd/<n>/...` paths and
 //! holds the fds only as long as the protocol says.
+//!
+//! Cut by role: `state` (the state table), `controller` (the [`Controller`] and the
+//! [`Engine`] it drives), `server` (the socket), `client` (the [`ControlClient`] the shim
+//! links) and `wire` (framing and fd batches, shared by server and client).
 
 use std::io;
 use std::path::PathBuf;

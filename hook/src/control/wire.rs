@@ -1,5 +1,6 @@
-//! The wire: length-prefixed JSON frames, with directory fds (SCM_RIGHTS) on a
-//! request and memory fds in batches after a frame.
+//! The wire: length-prefixed JSON frames and their size limits, with directory fds
+//! (SCM_RIGHTS) on a request and memory fds in batches after a frame, and [`FdRoom`]:
+//! whether a process has room for the memory fds it is about to hold.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};

@@ -9,6 +9,13 @@
 //! [`StagingPool`] (read, decompress, CRC) while the filled buffers go to the device on
 //! the copy streams. Host memory stays bounded by the two pools; nothing holds a copy
 //! of all device memory, and no DMA outlives its buffer ([`InFlight`]).
+//!
+//! Cut by mechanism, one layer below the verbs (release-undo and refill reuse the fill
+//! engine, so a cut by verb would import in a circle): `options` (the `GPUCR_HOOK_*`
+//! variables), `dma` (pinning, copies in flight, direct windows, fd room), `copy_out`
+//! (device → image), `fill` (image → device), `memory` (release, keep, reattach, remap,
+//! snapshot) and `helpers` (copy-in helpers). This file holds [`FastPath`], freeze and
+//! thaw, and the [`Engine`] impl. The tests in `tests/` follow the same seams.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
