@@ -278,15 +278,34 @@ pub fn checkpointctl() -> PathBuf {
 }
 
 /// `checkpointctl inspect --all` reads `archive`, CRIU's dump statistics included.
+///
+/// checkpointctl before 1.4 (Debian's 1.3) fails `--all` on a checkpoint holding a zombie,
+/// looking for its memory images, which CRIU does not write (checkpoint-restore/checkpointctl
+/// #184): the counter's `sleep` that exited just before the freeze. Then everything that
+/// reads no process memory is inspected instead.
 pub fn assert_checkpointctl_inspects(archive: &Path) {
-    let inspect = Cmd::new(checkpointctl())
-        .args(["inspect", "--all"])
-        .arg(archive)
-        .run_ok()
-        .unwrap_or_else(|e| panic!("checkpointctl inspect --all {}: {e}", archive.display()));
+    let run = |args: &[&str]| {
+        Cmd::new(checkpointctl())
+            .arg("inspect")
+            .args(args)
+            .arg(archive)
+            .output()
+            .unwrap_or_else(|e| panic!("checkpointctl inspect {args:?}: {e}"))
+    };
+    let mut out = run(&["--all"]);
+    if !out.success() && out.stderr.contains("pagemap-") && out.stderr.contains("no such file") {
+        eprintln!(
+            "checkpointctl inspect --all: {} (a zombie in the checkpoint, checkpointctl#184); \
+             inspecting without process memory",
+            out.stderr.trim()
+        );
+        out = run(&["--stats", "--ps-tree", "--mounts", "--metadata"]);
+    }
     assert!(
-        inspect.stdout.contains("CRIU dump statistics"),
-        "checkpointctl inspect --all shows no dump statistics:\n{}",
-        inspect.stdout
+        out.success() && out.stdout.contains("CRIU dump statistics"),
+        "checkpointctl inspect {} shows no dump statistics:\n{}{}",
+        archive.display(),
+        out.stdout,
+        out.stderr
     );
 }
