@@ -100,7 +100,8 @@ status=${PIPESTATUS[0]}
 set -e
 
 step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines)"
-# About 2 minutes on 2 cores; the CRI suite (tests/tests/cri.rs) ran above, on 2.x by itself.
+# About 2 minutes on 2 cores; the CRI suites (tests/tests/cri.rs, cri_gpu_fake.rs) ran above, on
+# 2.x by themselves.
 set +e
 c2_status=0
 if [ -n "${GPUCR_TEST_CONTAINERD2:-}" ]; then

@@ -416,9 +416,14 @@ impl Containerd {
 
     /// The bundle directory containerd creates for a task (the shim's working directory).
     pub fn bundle(&self, id: &str) -> PathBuf {
+        self.bundle_in(&self.namespace, id)
+    }
+
+    /// The bundle of container `id` of another namespace (CRI's `k8s.io`).
+    pub fn bundle_in(&self, namespace: &str, id: &str) -> PathBuf {
         self.state_dir()
             .join("io.containerd.runtime.v2.task")
-            .join(&self.namespace)
+            .join(namespace)
             .join(id)
     }
 

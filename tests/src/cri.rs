@@ -395,6 +395,9 @@ pub struct Handler {
     pub runtime_type: String,
     /// The `options` table, as TOML inline-table content.
     pub options: String,
+    /// Annotation patterns CRI passes from a container's config to its OCI spec
+    /// (`container_annotations`; none when empty).
+    pub container_annotations: Vec<String>,
 }
 
 impl Handler {
@@ -404,6 +407,7 @@ impl Handler {
             name: "runc".into(),
             runtime_type: crate::RUNC_RUNTIME.into(),
             options: "SystemdCgroup = false".into(),
+            container_annotations: Vec::new(),
         }
     }
 
@@ -418,7 +422,15 @@ impl Handler {
             name: name.into(),
             runtime_type: crate::GPUCR_RUNTIME.into(),
             options: format!("BinaryName = {binary:?}, SystemdCgroup = false"),
+            container_annotations: Vec::new(),
         }
+    }
+
+    /// The handler passing gpucr's annotations (`io.gpucr.*`) to the shim, as README's
+    /// Kubernetes section says to set it up.
+    pub fn with_gpucr_annotations(mut self) -> Self {
+        self.container_annotations.push("io.gpucr.*".into());
+        self
     }
 }
 
@@ -482,6 +494,12 @@ pub fn cri_config_cdi(
             ty = h.runtime_type,
             opts = h.options
         ));
+        if !h.container_annotations.is_empty() {
+            text.push_str(&format!(
+                "  container_annotations = {:?}\n",
+                h.container_annotations
+            ));
+        }
     }
     text
 }

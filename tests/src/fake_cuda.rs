@@ -21,6 +21,15 @@ pub const RUNNING: u8 = 0;
 pub const LOCKED: u8 = 1;
 pub const CHECKPOINTED: u8 = 2;
 
+/// The driver calls on one CUDA process around a leave-running checkpoint, as
+/// [`FakeCuda::calls_of`] lists them.
+pub const FULL_CYCLE: [&str; 4] = [
+    "lock -> 0",
+    "checkpoint -> 0",
+    "restore -> 0",
+    "unlock -> 0",
+];
+
 /// `<target>/<profile>` of this test binary (`<target>/<profile>/deps/<test>`).
 fn test_profile_dir() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
@@ -162,9 +171,15 @@ impl FakeCuda {
 
     /// Pids that got at least one state-changing call.
     pub fn called_pids(&self) -> Vec<u32> {
+        self.called_pids_after(0)
+    }
+
+    /// Pids that got a state-changing call after the first `skip` calls.
+    pub fn called_pids_after(&self, skip: usize) -> Vec<u32> {
         let mut pids: Vec<u32> = self
             .calls()
             .iter()
+            .skip(skip)
             .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
             .collect();
         pids.sort_unstable();

@@ -270,10 +270,42 @@ pub struct LayerFile {
     pub mode: u32,
 }
 
+/// An image of busybox's layer plus one more (see [`BusyboxImage::with_files`]).
+#[derive(Debug)]
+pub struct ExtendedImage {
+    pub manifest: Blob,
+    pub config: Blob,
+    /// Busybox's layer, then the one holding the files.
+    pub layers: [Blob; 2],
+}
+
+impl ExtendedImage {
+    /// The config and the layers: what a registry push needs beside the manifest.
+    pub fn blobs(&self) -> [&Blob; 3] {
+        [&self.config, &self.layers[0], &self.layers[1]]
+    }
+
+    /// The image named `reference`, as an OCI layout tarball.
+    pub fn layout_tar(&self, reference: &str) -> Result<Vec<u8>> {
+        let mut layout = OciLayout::default();
+        for blob in self.blobs() {
+            layout.add_blob(blob);
+        }
+        layout.add_named(&self.manifest, reference);
+        layout.to_tar()
+    }
+}
+
 impl BusyboxImage {
     /// An image named `reference`: the busybox layer plus one layer holding `files` (their
     /// parent directories made `0755`), as an OCI layout tarball.
     pub fn with_files_layout_tar(&self, reference: &str, files: &[LayerFile]) -> Result<Vec<u8>> {
+        self.with_files(files)?.layout_tar(reference)
+    }
+
+    /// The busybox layer plus one layer holding `files` (their parent directories made
+    /// `0755`).
+    pub fn with_files(&self, files: &[LayerFile]) -> Result<ExtendedImage> {
         let mut dirs = std::collections::BTreeSet::new();
         for f in files {
             let mut parent = Path::new(&f.path).parent();
@@ -301,12 +333,11 @@ impl BusyboxImage {
             .push(json!(sha256_digest(&layer_tar)));
         let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
         let manifest = image_manifest(&config, &[&self.layer, &extra], None)?;
-        let mut layout = OciLayout::default();
-        layout.add_blob(&config);
-        layout.add_blob(&self.layer);
-        layout.add_blob(&extra);
-        layout.add_named(&manifest, reference);
-        layout.to_tar()
+        Ok(ExtendedImage {
+            manifest,
+            config,
+            layers: [self.layer.clone(), extra],
+        })
     }
 }
 

@@ -7,7 +7,9 @@
 //!   drop, printing the daemon's log tail when the test panicked.
 //! - [`image`] packs a busybox rootfs, and containerd checkpoint images, as OCI layouts.
 //! - [`cri`] makes kubelet's CRI calls to a containerd 2.x, pulling from a loopback
-//!   [`registry`].
+//!   [`registry`]; [`cri_node`] is such a node (daemon, registry, client, pods) for a test.
+//! - [`fake_cuda`] scripts tests/fake-libcuda as the driver; [`cuda_app`] is the hook's test
+//!   program as an image.
 //! - [`task`] and [`checkpoint`] wrap `ctr` for the tests; [`command::Cmd`] runs anything with
 //!   a timeout; [`poll::poll_until`] waits for conditions.
 //!
@@ -19,7 +21,9 @@ pub mod checkpoint;
 pub mod command;
 pub mod containerd;
 pub mod cri;
+pub mod cri_node;
 pub mod criu_wrapper;
+pub mod cuda_app;
 pub mod error;
 pub mod fake_cuda;
 pub mod image;

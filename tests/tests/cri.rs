@@ -10,143 +10,12 @@
 //! (`GPUCR_TEST_CONTAINERD2`, `GPUCR_CHECKPOINTCTL` to override). `GPUCR_CRI_ROUNDS` (default
 //! 1) repeats the flow per runtime, interleaved, and prints the medians (docs/BENCHMARKS.md).
 
-use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use gpucr_tests::cri::{self, CriClient, Handler};
-use gpucr_tests::registry::Registry;
-use gpucr_tests::{counter_args, poll_until, Cmd, Containerd, Daemon, StartOptions, COUNTER_FILE};
-
-/// The checkpointctl that tests/containerd2.sh sets up.
-const CHECKPOINTCTL_DEFAULT: &str = "/opt/gpucr-test/bin/checkpointctl";
-
-/// A containerd 2.x with CRI, a registry with busybox and the pause image, a CRI client.
-/// Fields drop in order after the pods are removed: the daemon goes before the registry and
-/// the scratch directory (its CNI and hosts.toml directories) it watches.
-struct CriNode {
-    client: CriClient,
-    ctd: Containerd,
-    registry: Registry,
-    busybox: String,
-    pods: Vec<String>,
-    scratch: tempfile::TempDir,
-}
-
-impl CriNode {
-    fn start(handlers: &[Handler]) -> Self {
-        let daemon = Daemon::containerd2().unwrap_or_else(|e| panic!("{e}"));
-        let registry = Registry::start().expect("registry");
-        let (busybox, pause) = cri::push_test_images(&registry).expect("test images");
-        let scratch = tempfile::Builder::new()
-            .prefix("gpucr-cri-")
-            .tempdir()
-            .expect("scratch dir");
-        let certs_d = scratch.path().join("certs.d");
-        registry.write_hosts_toml(&certs_d).expect("hosts.toml");
-        let config = cri::cri_config(scratch.path(), handlers, &pause, &certs_d);
-        let ctd = Containerd::start_opts(StartOptions {
-            daemon: Some(daemon),
-            cri: Some(config),
-            ..StartOptions::default()
-        })
-        .expect("containerd 2.x with CRI");
-        let mut client = None;
-        poll_until("CRI answers Version", Duration::from_secs(30), || {
-            Ok(
-                match CriClient::connect(ctd.address()).and_then(|mut c| {
-                    c.version()?;
-                    Ok(c)
-                }) {
-                    Ok(c) => {
-                        client = Some(c);
-                        Ok(())
-                    }
-                    Err(e) => Err(e.to_string()),
-                },
-            )
-        })
-        .expect("CRI service");
-        Self {
-            client: client.unwrap(),
-            ctd,
-            registry,
-            busybox,
-            pods: Vec::new(),
-            scratch,
-        }
-    }
-
-    fn dir(&self, name: &str) -> PathBuf {
-        let dir = self.scratch.path().join(name);
-        std::fs::create_dir_all(&dir).expect("create dir");
-        dir
-    }
-
-    /// A pod of the `handler` runtime class; its config and sandbox id.
-    fn run_pod(
-        &mut self,
-        name: &str,
-        handler: &str,
-    ) -> (cri::api::PodSandboxConfig, String, Duration) {
-        let uid = format!("{name}-{}", std::process::id());
-        let logs = self.dir(&format!("pods/default_{name}_{uid}"));
-        let cgroup_parent = format!("/{}/pod{uid}", self.ctd.namespace());
-        let pod = cri::pod_config(name, &uid, &logs, &cgroup_parent);
-        let started = Instant::now();
-        let sandbox = self
-            .client
-            .run_pod_sandbox(&pod, handler)
-            .unwrap_or_else(|e| panic!("RunPodSandbox {name} ({handler}): {e}"));
-        let took = started.elapsed();
-        self.pods.push(sandbox.clone());
-        (pod, sandbox, took)
-    }
-
-    fn read_counter(&mut self, id: &str) -> u64 {
-        let out = self
-            .client
-            .exec_sync(id, &["cat", COUNTER_FILE])
-            .unwrap_or_else(|e| panic!("reading the counter of {id}: {e}"));
-        out.trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("counter of {id}: {out:?}"))
-    }
-
-    fn wait_counter_above(&mut self, id: &str, value: u64) -> u64 {
-        let started = Instant::now();
-        loop {
-            let got = self.read_counter(id);
-            if got > value {
-                return got;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "counter of {id} stays at {got}, not above {value}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// The container's init pid (ContainerStatus's verbose info).
-    fn pid(&mut self, id: &str) -> u32 {
-        let status = self.client.container_status(id).expect("ContainerStatus");
-        let info: serde_json::Value =
-            serde_json::from_str(status.info.get("info").expect("verbose info"))
-                .expect("info JSON");
-        info["pid"].as_u64().expect("pid in info") as u32
-    }
-}
-
-impl Drop for CriNode {
-    fn drop(&mut self) {
-        for pod in std::mem::take(&mut self.pods) {
-            if let Err(e) = self.client.remove_pod(&pod) {
-                eprintln!("removing pod {pod}: {e}");
-            }
-        }
-    }
-}
+use gpucr_tests::cri::{self, Handler};
+use gpucr_tests::cri_node::{self, archive_names, checkpointctl, CriNode};
+use gpucr_tests::{counter_args, Cmd, Daemon};
 
 /// Times of one round of the flow, for one handler.
 #[derive(Debug, Default, Clone)]
@@ -170,117 +39,44 @@ fn kubelet_flow(node: &mut CriNode, handler: &str, round: usize) -> (Times, Path
         .unwrap_or_else(|e| panic!("PullImage ({handler}): {e}"));
     let config = cri::container_config("counter", &busybox, &counter_args(), &pod);
     let started = Instant::now();
-    let id = node
-        .client
-        .create_container(&sandbox, &config, &pod)
-        .unwrap_or_else(|e| panic!("CreateContainer ({handler}): {e}"));
-    node.client
-        .start_container(&id)
-        .unwrap_or_else(|e| panic!("StartContainer ({handler}): {e}"));
+    let id = node.create_and_start(&sandbox, &config, &pod);
     times.create_start = started.elapsed();
     node.wait_counter_above(&id, 5);
 
-    let checkpoints = node.dir("var/lib/kubelet/checkpoints");
-    let archive = cri::kubelet_checkpoint_path(&checkpoints, &pod_name, "default", "counter");
     let before = node.read_counter(&id);
-    let started = Instant::now();
-    node.client
-        .checkpoint_container(&id, &archive, 0)
-        .unwrap_or_else(|e| panic!("CheckpointContainer ({handler}): {e}"));
-    times.checkpoint = started.elapsed();
+    let (archive, took) = node.checkpoint_to_kubelet_archive(&id, &pod_name, "counter");
+    times.checkpoint = took;
     let after = node.read_counter(&id);
-    assert!(archive.is_file(), "no archive at {}", archive.display());
 
     // (a) From the archive path, into a new pod of the same runtime class.
-    let (pod_a, sandbox_a, _) = node.run_pod(&format!("{pod_name}-from-archive"), handler);
-    let config_a = cri::container_config("counter", &archive.to_string_lossy(), &[], &pod_a);
-    let started = Instant::now();
-    let restored = node
-        .client
-        .create_container(&sandbox_a, &config_a, &pod_a)
-        .unwrap_or_else(|e| {
-            panic!(
-                "CreateContainer from {} ({handler}): {e}",
-                archive.display()
-            )
-        });
-    node.client
-        .start_container(&restored)
-        .unwrap_or_else(|e| panic!("StartContainer (restore from the archive, {handler}): {e}"));
-    times.restore_archive = started.elapsed();
-    assert_continues(node, &restored, before, after, handler, "the archive");
+    let from = archive.to_string_lossy().into_owned();
+    let (restored, took) = node.restore_in_new_pod(
+        &format!("{pod_name}-from-archive"),
+        handler,
+        "counter",
+        &from,
+    );
+    times.restore_archive = took;
+    let what = format!("{handler}: restored from the archive");
+    node.assert_counter_continues(&restored, before, after, &what);
 
     // (b) From a checkpoint OCI image built from the archive, pulled like any image.
-    let bytes = std::fs::read(&archive).expect("read the archive");
-    let image = cri::push_checkpoint_image(
-        &node.registry,
-        &bytes,
+    let image = node.push_checkpoint_image(
+        &archive,
         "counter",
         &format!("gpucr/checkpoint-{handler}"),
         &round.to_string(),
-    )
-    .expect("checkpoint image");
-    let (pod_b, sandbox_b, _) = node.run_pod(&format!("{pod_name}-from-image"), handler);
-    let started = Instant::now();
-    node.client
-        .pull_image(&image, &pod_b)
-        .unwrap_or_else(|e| panic!("PullImage {image} ({handler}): {e}"));
-    let config_b = cri::container_config("counter", &image, &[], &pod_b);
-    let restored = node
-        .client
-        .create_container(&sandbox_b, &config_b, &pod_b)
-        .unwrap_or_else(|e| panic!("CreateContainer from {image} ({handler}): {e}"));
-    node.client
-        .start_container(&restored)
-        .unwrap_or_else(|e| panic!("StartContainer (restore from {image}, {handler}): {e}"));
-    times.restore_image = started.elapsed();
-    assert_continues(node, &restored, before, after, handler, &image);
-    (times, archive)
-}
-
-/// A restored counter starts where the dump caught it (between the values read just before
-/// and just after the checkpoint: a restarted one would start from 1) and keeps counting.
-fn assert_continues(
-    node: &mut CriNode,
-    id: &str,
-    before: u64,
-    after: u64,
-    handler: &str,
-    from: &str,
-) {
-    let first = node.read_counter(id);
-    assert!(
-        first >= before && first <= after + 25,
-        "{handler}: restored from {from}, the counter reads {first}; it was {before}..{after} \
-         at the checkpoint"
     );
-    node.wait_counter_above(id, first);
-}
-
-/// The names in an archive (a plain tar, as CRI writes it).
-fn archive_names(path: &Path) -> Vec<String> {
-    let mut names = Vec::new();
-    let file = std::fs::File::open(path).expect("open archive");
-    let mut tar = tar::Archive::new(file);
-    for entry in tar.entries().expect("archive entries") {
-        let mut entry = entry.expect("archive entry");
-        let name = entry
-            .path()
-            .expect("entry path")
-            .to_string_lossy()
-            .into_owned();
-        let mut sink = Vec::new();
-        let _ = entry.read_to_end(&mut sink);
-        names.push(name.trim_start_matches("./").to_owned());
-    }
-    names
-}
-
-fn checkpointctl() -> PathBuf {
-    std::env::var_os("GPUCR_CHECKPOINTCTL")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(CHECKPOINTCTL_DEFAULT))
+    let (restored, took) = node.restore_in_new_pod(
+        &format!("{pod_name}-from-image"),
+        handler,
+        "counter",
+        &image,
+    );
+    times.restore_image = took;
+    let what = format!("{handler}: restored from {image}");
+    node.assert_counter_continues(&restored, before, after, &what);
+    (times, archive)
 }
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -336,16 +132,7 @@ fn kubelet_checkpoint_and_restore_runc_and_gpucr_side_by_side() {
         "checkpointctl show: {}",
         show.stdout
     );
-    let inspect = Cmd::new(checkpointctl())
-        .args(["inspect", "--all"])
-        .arg(&archive)
-        .run_ok()
-        .unwrap_or_else(|e| panic!("checkpointctl inspect --all: {e}"));
-    assert!(
-        inspect.stdout.contains("CRIU dump statistics"),
-        "checkpointctl inspect --all shows no dump statistics:\n{}",
-        inspect.stdout
-    );
+    cri_node::assert_checkpointctl_inspects(&archive);
     println!("checkpointctl show:\n{}", show.stdout);
 
     // The table for docs/BENCHMARKS.md.
@@ -438,7 +225,7 @@ fn runtime_class_options_reach_the_shim() {
     }
     let pid = node.pid(&id);
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("cgroup");
-    let parent = format!("/{}/podlogged-{}", node.ctd.namespace(), std::process::id());
+    let parent = node.cgroup_parent("logged");
     assert!(
         cgroups
             .lines()

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, LOCKED, RUNNING};
+use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, FULL_CYCLE, LOCKED, RUNNING};
 use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
@@ -23,13 +23,6 @@ use serde_json::Value;
 
 /// Counter value the workload reaches before a checkpoint.
 const WARM_COUNT: u64 = 5;
-/// The full cycle of one CUDA process around a leave-running checkpoint.
-const FULL_CYCLE: [&str; 4] = [
-    "lock -> 0",
-    "checkpoint -> 0",
-    "restore -> 0",
-    "unlock -> 0",
-];
 
 /// A daemon whose shims use a fake libcuda. Fields drop in order: the daemon (and its shims)
 /// before the fake's files.

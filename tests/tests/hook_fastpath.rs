@@ -1,35 +1,24 @@
 //! The hook's fast path through the shim, end to end on a CPU machine: a real containerd,
 //! runc and CRIU; `libgpucr_hook.so` injected by the shim (`io.gpucr.hook=on`, there are no
-//! `/dev/nvidia*` devices here) into a container running hook/preload/tests/cuda_app.c,
-//! whose `libcuda.so.1` is tests/fake-libcuda (its memory API runs on the CPU: device
-//! pointers are host addresses, VMM memory is memfd mappings).
-//!
-//! The program allocates through `cuMemAlloc` (so through the hook's VMM backing), fills a
-//! pattern, then every 100 ms reads its memory back through the driver and writes
-//! `<step> ok <hash>` to `/tmp/hash`: memory that survives a checkpoint keeps its hash, and
-//! a growing step shows the program runs. The fake's memory log (`/tmp/mem.log` in the
-//! container) shows what the hook did to the driver.
+//! `/dev/nvidia*` devices here) into a container running hook/preload/tests/cuda_app.c
+//! ([`gpucr_tests::cuda_app`]), whose `libcuda.so.1` is tests/fake-libcuda. The program
+//! allocates through `cuMemAlloc`, so through the hook's VMM backing.
 //!
 //! The shim's own libcuda (the checkpoint API) is the same fake on the host, scripted like
 //! in gpu_fake.rs; the program is a CUDA process for the driver path only where a test's
 //! script says so. Only meaningful for gpucr.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use gpucr_tests::cuda_app::{self, Step, APP_BYTES, HASH_FILE, MEM_LOG};
 use gpucr_tests::fake_cuda::{self, FakeCuda};
-use gpucr_tests::image::{BusyboxImage, LayerFile};
 use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
 use serde_json::Value;
 
 const APP_IMAGE: &str = "docker.io/library/gpucr-cuda-app:test";
-const HASH_FILE: &str = "/tmp/hash";
-const MEM_LOG: &str = "/tmp/mem.log";
-/// The program's two allocations (cuda_app.c: 5 MiB + 123 and 3 MiB).
-const APP_BYTES: u64 = (5 << 20) + 123 + (3 << 20);
 const WAIT: Duration = Duration::from_secs(30);
 
 /// A daemon whose shims inject the hook and use a fake libcuda; the app image imported.
@@ -58,7 +47,9 @@ fn start_with(extra: &[(String, String)]) -> Option<Hooked> {
     let mut env = fake.env();
     env.extend_from_slice(extra);
     let ctd = Containerd::start_with_env(&env).expect("containerd");
-    let layout = app_layout(&fake.lib(), &hook_lib);
+    let layout = cuda_app::image(&fake.lib(), &hook_lib)
+        .and_then(|image| image.layout_tar(APP_IMAGE))
+        .expect("the app image");
     ctd.import_layout(&layout, &[])
         .expect("import the app image");
     Some(Hooked {
@@ -66,85 +57,6 @@ fn start_with(extra: &[(String, String)]) -> Option<Hooked> {
         fake,
         hook_lib,
     })
-}
-
-/// The shared libraries `ldd` names for `file` (absolute paths, the loader included).
-fn ldd(file: &Path) -> Vec<PathBuf> {
-    let out = Command::new("ldd").arg(file).output().expect("run ldd");
-    assert!(out.status.success(), "ldd {}", file.display());
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .filter(|w| w.starts_with('/'))
-        .map(PathBuf::from)
-        .collect()
-}
-
-/// Compiles cuda_app.c into `dir`.
-fn compile_app(dir: &Path) -> PathBuf {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../hook/preload/tests/cuda_app.c");
-    let app = dir.join("cuda_app");
-    let out = Command::new("cc")
-        .args(["-O1", "-Wall", "-o"])
-        .arg(&app)
-        .arg(&src)
-        .arg("-ldl")
-        .output()
-        .expect("run cc (a C compiler is needed for this test)");
-    assert!(
-        out.status.success(),
-        "cc failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    app
-}
-
-/// The busybox image plus cuda_app, the fake libcuda as /usr/lib/libcuda.so.1, and the host
-/// libraries the app, the fake and the hook need (at their host paths).
-fn app_layout(fake_lib: &Path, hook_lib: &Path) -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let app = compile_app(dir.path());
-    let file = |path: &str, from: &Path, mode: u32| LayerFile {
-        path: path.trim_start_matches('/').to_owned(),
-        bytes: std::fs::read(from).unwrap_or_else(|e| panic!("{}: {e}", from.display())),
-        mode,
-    };
-    let mut files = vec![
-        file("/usr/bin/cuda_app", &app, 0o755),
-        file("/usr/lib/libcuda.so.1", fake_lib, 0o755),
-    ];
-    let mut libs: Vec<PathBuf> = [app.as_path(), fake_lib, hook_lib]
-        .iter()
-        .flat_map(|f| ldd(f))
-        .collect();
-    libs.sort();
-    libs.dedup();
-    for lib in &libs {
-        files.push(file(&lib.to_string_lossy(), lib, 0o755));
-    }
-    BusyboxImage::get()
-        .unwrap()
-        .with_files_layout_tar(APP_IMAGE, &files)
-        .unwrap()
-}
-
-/// The library directories the container's loader searches (no ld.so.cache there).
-fn library_path() -> String {
-    let mut dirs = vec!["/usr/lib".to_owned()];
-    for lib in ldd(Path::new("/bin/sh")) {
-        let parent = lib.parent().unwrap().to_string_lossy().into_owned();
-        if !dirs.contains(&parent) {
-            dirs.push(parent);
-        }
-    }
-    dirs.join(":")
-}
-
-/// One line of the program's hash file.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Step {
-    n: u64,
-    /// `ok <hash>` or `bad <offset>`.
-    verdict: String,
 }
 
 impl Hooked {
@@ -157,24 +69,17 @@ impl Hooked {
     /// [`Hooked::run_app`] with more `VAR=value` settings in the program's environment.
     fn run_app_with(&self, id: &str, hook: &str, env: &[&str]) -> (u32, String) {
         let annotation = format!("io.gpucr.hook={hook}");
-        let ld_path = format!("LD_LIBRARY_PATH={}", library_path());
-        let mem_log = format!("GPUCR_FAKE_CUDA_MEM_LOG={MEM_LOG}");
-        let mut flags = vec![
-            "--annotation",
-            &annotation,
-            "--env",
-            &ld_path,
-            "--env",
-            &mem_log,
-            "--env",
-            "GPUCR_HOOK_LOG=1",
-        ];
-        for e in env {
+        let app_env = cuda_app::env();
+        let mut flags = vec!["--annotation", annotation.as_str()];
+        for e in app_env
+            .iter()
+            .map(String::as_str)
+            .chain(env.iter().copied())
+        {
             flags.extend(["--env", e]);
         }
-        let args = ["/usr/bin/cuda_app", "loop", HASH_FILE].map(String::from);
         self.ctd
-            .run_detached_with(id, APP_IMAGE, &flags, &args)
+            .run_detached_with(id, APP_IMAGE, &flags, &cuda_app::args())
             .expect("ctr run");
         self.ctd.wait_status(id, "RUNNING").unwrap();
         let first = self.wait_step_above(id, 1);
@@ -187,13 +92,7 @@ impl Hooked {
     }
 
     fn read_step(&self, id: &str) -> Option<Step> {
-        let out = self.ctd.exec(id, &["cat", HASH_FILE]).ok()?;
-        let line = out.stdout.trim();
-        let (n, verdict) = line.split_once(' ')?;
-        Some(Step {
-            n: n.parse().ok()?,
-            verdict: verdict.to_owned(),
-        })
+        Step::parse(&self.ctd.exec(id, &["cat", HASH_FILE]).ok()?.stdout)
     }
 
     /// Waits until the program checked its memory after step `n`.
