@@ -55,6 +55,7 @@ impl CriNode {
             daemon: Some(daemon),
             cri: Some(config),
             env,
+            ..StartOptions::default()
         })
         .expect("containerd 2.x with CRI");
         let mut client = None;
