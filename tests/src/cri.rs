@@ -65,6 +65,41 @@ impl CriClient {
         })
     }
 
+    /// Connects once containerd's CRI service answers `Version` (it starts after the daemon's
+    /// socket), trying for up to `timeout`.
+    pub fn connect_ready(socket: &Path, timeout: std::time::Duration) -> Result<Self> {
+        let mut client = None;
+        crate::poll_until("CRI answers Version", timeout, || {
+            Ok(
+                match Self::connect(socket).and_then(|mut c| {
+                    c.version()?;
+                    Ok(c)
+                }) {
+                    Ok(c) => {
+                        client = Some(c);
+                        Ok(())
+                    }
+                    Err(e) => Err(e.to_string()),
+                },
+            )
+        })?;
+        client.ok_or_else(|| HarnessError::Unexpected("no CRI client".into()))
+    }
+
+    /// The container's init pid (ContainerStatus's verbose info).
+    pub fn container_pid(&mut self, id: &str) -> Result<u32> {
+        let status = self.container_status(id)?;
+        let info = status
+            .info
+            .get("info")
+            .ok_or_else(|| HarnessError::Unexpected(format!("{id}: no verbose info")))?;
+        let info: serde_json::Value = serde_json::from_str(info)?;
+        info["pid"]
+            .as_u64()
+            .map(|p| p as u32)
+            .ok_or_else(|| HarnessError::Unexpected(format!("{id}: no pid in the verbose info")))
+    }
+
     /// `Version`: the runtime's name and version.
     pub fn version(&mut self) -> Result<cri::VersionResponse> {
         let req = cri::VersionRequest {
@@ -502,4 +537,17 @@ pub fn cri_config_cdi(
         }
     }
     text
+}
+
+/// The names in an archive (a plain tar, as CRI writes it), without a leading `./`.
+pub fn archive_names(path: &Path) -> Result<Vec<String>> {
+    let io = |what| HarnessError::io(what, path);
+    let mut names = Vec::new();
+    let mut tar = tar::Archive::new(std::fs::File::open(path).map_err(io("open archive"))?);
+    for entry in tar.entries().map_err(io("read archive"))? {
+        let entry = entry.map_err(io("read archive entry"))?;
+        let name = entry.path().map_err(io("archive entry path"))?;
+        names.push(name.to_string_lossy().trim_start_matches("./").to_owned());
+    }
+    Ok(names)
 }

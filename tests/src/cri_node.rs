@@ -8,13 +8,12 @@
 //! (`GPUCR_TEST_CONTAINERD2`, `GPUCR_CHECKPOINTCTL` to override).
 
 use std::ffi::OsString;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::cri::{self, CriClient, Handler};
 use crate::registry::Registry;
-use crate::{poll_until, Cmd, Containerd, Daemon, StartOptions, COUNTER_FILE};
+use crate::{Cmd, Containerd, Daemon, StartOptions, COUNTER_FILE};
 
 /// The checkpointctl that tests/containerd2.sh sets up.
 const CHECKPOINTCTL_DEFAULT: &str = "/opt/gpucr-test/bin/checkpointctl";
@@ -58,24 +57,10 @@ impl CriNode {
             ..StartOptions::default()
         })
         .expect("containerd 2.x with CRI");
-        let mut client = None;
-        poll_until("CRI answers Version", Duration::from_secs(30), || {
-            Ok(
-                match CriClient::connect(ctd.address()).and_then(|mut c| {
-                    c.version()?;
-                    Ok(c)
-                }) {
-                    Ok(c) => {
-                        client = Some(c);
-                        Ok(())
-                    }
-                    Err(e) => Err(e.to_string()),
-                },
-            )
-        })
-        .expect("CRI service");
+        let client =
+            CriClient::connect_ready(ctd.address(), Duration::from_secs(30)).expect("CRI service");
         Self {
-            client: client.unwrap(),
+            client,
             ctd,
             registry,
             busybox,
@@ -233,11 +218,7 @@ impl CriNode {
 
     /// The container's init pid (ContainerStatus's verbose info).
     pub fn pid(&mut self, id: &str) -> u32 {
-        let status = self.client.container_status(id).expect("ContainerStatus");
-        let info: serde_json::Value =
-            serde_json::from_str(status.info.get("info").expect("verbose info"))
-                .expect("info JSON");
-        info["pid"].as_u64().expect("pid in info") as u32
+        self.client.container_pid(id).expect("the container's pid")
     }
 }
 
@@ -253,21 +234,7 @@ impl Drop for CriNode {
 
 /// The names in an archive (a plain tar, as CRI writes it), without a leading `./`.
 pub fn archive_names(path: &Path) -> Vec<String> {
-    let mut names = Vec::new();
-    let file = std::fs::File::open(path).expect("open archive");
-    let mut tar = tar::Archive::new(file);
-    for entry in tar.entries().expect("archive entries") {
-        let mut entry = entry.expect("archive entry");
-        let name = entry
-            .path()
-            .expect("entry path")
-            .to_string_lossy()
-            .into_owned();
-        let mut sink = Vec::new();
-        let _ = entry.read_to_end(&mut sink);
-        names.push(name.trim_start_matches("./").to_owned());
-    }
-    names
+    cri::archive_names(path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// checkpointctl: `GPUCR_CHECKPOINTCTL`, else where tests/containerd2.sh puts it.

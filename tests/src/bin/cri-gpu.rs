@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use gpucr_tests::cri::{self, api, CriClient, Handler, MEDIA_LAYER_TAR};
 use gpucr_tests::image::{image_manifest, sha256_digest, Blob, BusyboxImage, MEDIA_CONFIG};
 use gpucr_tests::registry::Registry;
-use gpucr_tests::{poll_until, Cmd, Containerd, Daemon, StartOptions};
+use gpucr_tests::{Cmd, Containerd, Daemon, StartOptions};
 use serde_json::{json, Value};
 
 type Error = Box<dyn std::error::Error>;
@@ -178,23 +178,9 @@ fn start_node(plan: &Value, out: &Path) -> Result<Node> {
         ctd.daemon().version,
         ctd.address().display()
     ));
-    let mut client = None;
-    poll_until("CRI answers Version", Duration::from_secs(30), || {
-        Ok(
-            match CriClient::connect(ctd.address()).and_then(|mut c| {
-                c.version()?;
-                Ok(c)
-            }) {
-                Ok(c) => {
-                    client = Some(c);
-                    Ok(())
-                }
-                Err(e) => Err(e.to_string()),
-            },
-        )
-    })?;
+    let client = CriClient::connect_ready(ctd.address(), Duration::from_secs(30))?;
     Ok(Node {
-        client: client.ok_or("no CRI client")?,
+        client,
         ctd,
         registry,
         scratch,
@@ -352,7 +338,7 @@ impl Scenario {
             // Leave-running: the original goes on, exact.
             let last = self.wait_steps(pid, at + 3, Duration::from_secs(120))?;
             let bytes = std::fs::metadata(&archive)?.len();
-            let names = archive_names(&archive)?;
+            let names = cri::archive_names(&archive)?;
             for want in ["dump.log", "stats-dump", "config.dump", "spec.dump"] {
                 if !names.iter().any(|n| n == want) {
                     return Err(format!("the archive has no {want}").into());
@@ -424,7 +410,7 @@ impl Scenario {
         node.client
             .start_container(&id)
             .map_err(|e| format!("StartContainer: {e}"))?;
-        let pid = container_pid(&mut node.client, &id)?;
+        let pid = node.client.container_pid(&id)?;
         self.check_hook(node, &id)?;
         if wait {
             self.wait_steps(pid, 3, self.start_timeout)?;
@@ -674,13 +660,6 @@ fn read_reference(path: &Path) -> Result<BTreeMap<u64, String>> {
         .collect())
 }
 
-/// The container's init pid (ContainerStatus's verbose info).
-fn container_pid(client: &mut CriClient, id: &str) -> Result<u32> {
-    let status = client.container_status(id)?;
-    let info: Value = serde_json::from_str(status.info.get("info").ok_or("no verbose info")?)?;
-    Ok(info["pid"].as_u64().ok_or("no pid in the verbose info")? as u32)
-}
-
 fn ctr_pid(
     ctr: &dyn Fn(&[&str], u64) -> gpucr_tests::Result<gpucr_tests::Output>,
     id: &str,
@@ -693,23 +672,6 @@ fn ctr_pid(
             (w.first() == Some(&id)).then(|| w.get(1)?.parse().ok())?
         })
         .ok_or_else(|| format!("no task {id} in ctr task ls:\n{}", out.stdout).into())
-}
-
-/// The names in a kubelet archive (a plain tar).
-fn archive_names(path: &Path) -> Result<Vec<String>> {
-    let mut names = Vec::new();
-    let mut tar = tar::Archive::new(std::fs::File::open(path)?);
-    for entry in tar.entries()? {
-        let entry = entry?;
-        names.push(
-            entry
-                .path()?
-                .to_string_lossy()
-                .trim_start_matches("./")
-                .to_owned(),
-        );
-    }
-    Ok(names)
 }
 
 fn checkpointctl(ctl: &Path, archive: &Path, dir: &Path, name: &str) -> Result<(f64, String)> {
