@@ -733,7 +733,7 @@ impl Container {
     /// restore may hold it for minutes, and the signal must still reach the task (a
     /// checkpoint it interrupts fails and says so).
     pub async fn kill(&self, signal: u32, all: bool) -> Result<()> {
-        {
+        let state = {
             let mut pending = self.pending_kill.lock().expect("pending_kill lock");
             let state = self.state();
             if state == InitState::Stopped {
@@ -751,8 +751,27 @@ impl Container {
                 }
                 return Ok(()); // nothing runs yet
             }
+            state
+        };
+        let killed = self.runc.kill(&self.id, signal, all).await;
+        if signal == libc::SIGKILL as u32 && state == InitState::Paused {
+            self.thaw_for_kill().await;
         }
-        self.runc.kill(&self.id, signal, all).await
+        killed
+    }
+
+    /// After a SIGKILL to a paused task: in a frozen cgroup (cgroup v1) the signal takes
+    /// effect only at the thaw, and the init of a PID namespace is reaped only once its
+    /// frozen processes died — without a thaw no exit ever comes (#27.1: a CRIU that died
+    /// mid-dump leaves the init dying in a frozen cgroup). Whether the runtime's own kill
+    /// thaws depends on its version, `--all` and what it makes of the dying init, so the
+    /// shim thaws itself (containerd's runc shim thaws a paused task whose init exited); the
+    /// exit then moves the task to `Stopped`.
+    async fn thaw_for_kill(&self) {
+        match self.runc.resume(&self.id).await {
+            Ok(()) => tracing::info!(id = %self.id, "thawed the paused task it killed"),
+            Err(e) => tracing::debug!(id = %self.id, "thaw after SIGKILL: {e}"),
+        }
     }
 
     pub async fn update(&self, resources: &Any) -> Result<()> {

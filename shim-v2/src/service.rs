@@ -443,6 +443,11 @@ impl containerd_shim::Shim for Service {
             eprintln!("gpucr: runc delete --force {}: {e}", self.id);
         }
         crate::unpacked::discard_recorded(&bundle).await;
+        // A killed shim leaves its socket (the crate removes it only on a clean exit): gone
+        // unless another shim of the pod listens there.
+        if let Ok(address) = std::fs::read_to_string(bundle.join(ADDRESS_FILE)) {
+            remove_stale_socket(address.trim()).await;
+        }
         let pid = std::fs::read_to_string(bundle.join("init.pid"))
             .ok()
             .and_then(|s| s.trim().parse().ok())
