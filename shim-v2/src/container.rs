@@ -251,9 +251,18 @@ pub fn mount_rootfs(rootfs: &[Mount], bundle: &Path) -> Result<()> {
 }
 
 pub fn unmount_rootfs(bundle: &Path) {
-    let target = bundle.join("rootfs");
-    if let Err(e) = containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH) {
-        tracing::warn!(rootfs = %target.display(), "unmount: {e}");
+    unmount_under(&bundle.join("rootfs"));
+}
+
+/// The directory where CRIU works in a bundle, unless the client named another.
+pub const BUNDLE_CRIU_WORK: &str = "criu-work";
+
+/// Unmounts (lazily) `dir` and everything mounted under it. A CRIU killed mid-restore
+/// leaves its cgroup yard (`.criu.cgyard.*`, cgroup hierarchies) mounted in its work
+/// directory, which would keep containerd from removing the bundle.
+pub fn unmount_under(dir: &Path) {
+    if let Err(e) = containerd_shim::mount::umount_recursive(dir.to_str(), libc::MNT_DETACH) {
+        tracing::warn!(dir = %dir.display(), "unmount: {e}");
     }
 }
 
@@ -364,7 +373,7 @@ impl Container {
         let init = match &cfg.checkpoint {
             Some(image) => {
                 let work = if cfg.opts.criu_work_path.is_empty() {
-                    cfg.bundle.join("criu-work")
+                    cfg.bundle.join(BUNDLE_CRIU_WORK)
                 } else {
                     PathBuf::from(&cfg.opts.criu_work_path)
                 };
@@ -597,8 +606,18 @@ impl Container {
                 Ok(v)
             }
             Err(e) => {
-                // Leave nothing half-created: runc may have registered the container.
+                // Leave nothing half-created: runc may have registered the container, or,
+                // killed mid-way, left its CRIU mount of the rootfs without registering it.
                 let _ = self.runc.delete(&self.id, true).await;
+                if let Some(work) = &r.checkpoint.work_path {
+                    unmount_under(work);
+                }
+                match self.runc.remove_restore_leftovers(&self.id) {
+                    Ok(true) => tracing::info!(id = %self.id,
+                        "removed what the failed runc restore left in runc's root"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(id = %self.id, "{e}"),
+                }
                 let criu = r
                     .checkpoint
                     .work_path
