@@ -611,10 +611,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let runc = runc_at(d.path());
         let e = runc.failed("runc restore", 128 + libc::SIGKILL, b"");
-        assert!(
-            matches!(e, Error::RuntimeKilled { signal: 9, .. }),
-            "{e}"
-        );
+        assert!(matches!(e, Error::RuntimeKilled { signal: 9, .. }), "{e}");
         assert!(e.to_string().contains("killed by signal 9"), "{e}");
         // A runc that said why keeps its message, whatever its status.
         let e = runc.failed("runc restore", 137, b"criu failed: type RESTORE errno 0");

@@ -82,13 +82,17 @@ impl Faulty {
 
     /// Waits until the wrapper recorded a CRIU in `file` (`hung.pids`).
     fn wait_criu(&self, file: &str) {
-        poll_until(&format!("a CRIU in {file}"), Duration::from_secs(20), || {
-            Ok(if self.criu.pids(file).is_empty() {
-                Err(())
-            } else {
-                Ok(())
-            })
-        })
+        poll_until(
+            &format!("a CRIU in {file}"),
+            Duration::from_secs(20),
+            || {
+                Ok(if self.criu.pids(file).is_empty() {
+                    Err(())
+                } else {
+                    Ok(())
+                })
+            },
+        )
         .unwrap();
     }
 
@@ -264,7 +268,10 @@ fn runc_killed_mid_dump_of_a_paused_task(restart: bool) {
     f.criu.disarm();
     assert!(!out.success(), "the checkpoint must fail: {}", out.stdout);
     assert!(out.stderr.contains("runc checkpoint"), "{}", out.stderr);
-    assert!(!f.criu.pids("killed-runc.pids").is_empty(), "runc was not killed");
+    assert!(
+        !f.criu.pids("killed-runc.pids").is_empty(),
+        "runc was not killed"
+    );
     f.criu
         .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
     let status = f.ctd.task_status(&id).unwrap();
@@ -427,7 +434,10 @@ fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
         .unwrap();
     f.criu.disarm();
     assert!(!out.success(), "the restore must fail: {}", out.stdout);
-    assert!(!f.criu.pids("killed-runc.pids").is_empty(), "runc was not killed");
+    assert!(
+        !f.criu.pids("killed-runc.pids").is_empty(),
+        "runc was not killed"
+    );
     assert!(out.stderr.contains("runc restore"), "{}", out.stderr);
     f.criu
         .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
@@ -619,7 +629,11 @@ fn the_shim_killed_at_each_restore_failpoint_leaves_nothing_and_the_checkpoint_r
         f.kill_shim(&id);
         points.release(point);
         let out = rs.join().unwrap().expect("ctr ran");
-        assert!(!out.success(), "{point}: the restore must fail: {}", out.stdout);
+        assert!(
+            !out.success(),
+            "{point}: the restore must fail: {}",
+            out.stdout
+        );
         f.remove_with_force(&id);
     }
     f.ctd.container_restore(&id, &reference, true).unwrap();

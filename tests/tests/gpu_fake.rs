@@ -578,7 +578,10 @@ fn runc_killed_mid_dump_gives_the_gpu_back() {
     criu.arm(CriuFault::KillRuncAt("Dumping pages (type:"));
     let err = g.failed_checkpoint(&id);
     criu.disarm();
-    assert!(err.contains("runc checkpoint"), "the error names runc: {err}");
+    assert!(
+        err.contains("runc checkpoint"),
+        "the error names runc: {err}"
+    );
     criu.assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
     assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
     g.assert_recovered(&id, &[pid]);
