@@ -609,6 +609,11 @@ impl Container {
                 // Leave nothing half-created: runc may have registered the container, or,
                 // killed mid-way, left its CRIU mount of the rootfs without registering it.
                 let _ = self.runc.delete(&self.id, true).await;
+                let orphans = crate::restore_cgroup::kill_spec_cgroup(&self.bundle);
+                if !orphans.is_empty() {
+                    tracing::info!(id = %self.id, ?orphans,
+                        "killed what the failed restore left in the container's cgroup");
+                }
                 if let Some(work) = &r.checkpoint.work_path {
                     unmount_under(work);
                 }
