@@ -1,8 +1,9 @@
 //! Faults mid-way through a checkpoint or restore end clean (#27): the task's reported state
 //! is true, every verb still works (resume, checkpoint again, kill, delete), nothing is
-//! left (processes, mounts, bundle, runc state, shim, containerd's unpacked copy), and the
-//! error names the cause. CRIU fails through the `criu` wrapper (`criu_wrapper.rs`); the
-//! shim and runc are SIGKILLed by pid; a full disk is a small tmpfs under the checkpoint.
+//! left (processes, mounts, bundle, runc state, shim and its socket, containerd's unpacked
+//! copy), and the error names the cause. CRIU fails, or its runc is killed, through the
+//! `criu` wrapper (`criu_wrapper.rs`); the shim is SIGKILLed by pid, also while held at each
+//! failpoint; a full disk is a small tmpfs under the checkpoint.
 //! The failpoints and their outcomes are listed in docs/ARCHITECTURE.md.
 
 use std::path::Path;
@@ -274,8 +275,16 @@ fn runc_killed_mid_dump_of_a_paused_task(restart: bool) {
     );
     f.criu
         .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
-    let status = f.ctd.task_status(&id).unwrap();
-    eprintln!("after runc was killed mid-dump: {status:?}; {}", out.stderr);
+    assert!(
+        out.stderr.contains("runc was killed by signal 9") && out.stderr.contains("left paused"),
+        "the error names runc's death and what is left: {}",
+        out.stderr
+    );
+    assert_eq!(
+        f.ctd.task_status(&id).unwrap().as_deref(),
+        Some("PAUSED"),
+        "the task stays as its client left it"
+    );
     if restart {
         f.ctd.restart().unwrap();
     }
