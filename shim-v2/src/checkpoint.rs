@@ -97,7 +97,7 @@ impl Container {
         if !self.opts.criu_work_path.is_empty() {
             return PathBuf::from(&self.opts.criu_work_path);
         }
-        let own = self.bundle.join("criu-work");
+        let own = self.bundle.join(crate::container::BUNDLE_CRIU_WORK);
         let Some(cri) = cri_container_dir(&self.bundle, &self.id) else {
             return own;
         };

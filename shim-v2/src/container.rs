@@ -251,9 +251,18 @@ pub fn mount_rootfs(rootfs: &[Mount], bundle: &Path) -> Result<()> {
 }
 
 pub fn unmount_rootfs(bundle: &Path) {
-    let target = bundle.join("rootfs");
-    if let Err(e) = containerd_shim::mount::umount_recursive(target.to_str(), libc::MNT_DETACH) {
-        tracing::warn!(rootfs = %target.display(), "unmount: {e}");
+    unmount_under(&bundle.join("rootfs"));
+}
+
+/// The directory where CRIU works in a bundle, unless the client named another.
+pub const BUNDLE_CRIU_WORK: &str = "criu-work";
+
+/// Unmounts (lazily) `dir` and everything mounted under it. A CRIU killed mid-restore
+/// leaves its cgroup yard (`.criu.cgyard.*`, cgroup hierarchies) mounted in its work
+/// directory, which would keep containerd from removing the bundle.
+pub fn unmount_under(dir: &Path) {
+    if let Err(e) = containerd_shim::mount::umount_recursive(dir.to_str(), libc::MNT_DETACH) {
+        tracing::warn!(dir = %dir.display(), "unmount: {e}");
     }
 }
 
@@ -364,7 +373,7 @@ impl Container {
         let init = match &cfg.checkpoint {
             Some(image) => {
                 let work = if cfg.opts.criu_work_path.is_empty() {
-                    cfg.bundle.join("criu-work")
+                    cfg.bundle.join(BUNDLE_CRIU_WORK)
                 } else {
                     PathBuf::from(&cfg.opts.criu_work_path)
                 };
@@ -597,8 +606,23 @@ impl Container {
                 Ok(v)
             }
             Err(e) => {
-                // Leave nothing half-created: runc may have registered the container.
+                // Leave nothing half-created: runc may have registered the container, or,
+                // killed mid-way, left its CRIU mount of the rootfs without registering it.
                 let _ = self.runc.delete(&self.id, true).await;
+                let orphans = crate::restore_cgroup::kill_spec_cgroup(&self.bundle);
+                if !orphans.is_empty() {
+                    tracing::info!(id = %self.id, ?orphans,
+                        "killed what the failed restore left in the container's cgroup");
+                }
+                if let Some(work) = &r.checkpoint.work_path {
+                    unmount_under(work);
+                }
+                match self.runc.remove_restore_leftovers(&self.id) {
+                    Ok(true) => tracing::info!(id = %self.id,
+                        "removed what the failed runc restore left in runc's root"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(id = %self.id, "{e}"),
+                }
                 let criu = r
                     .checkpoint
                     .work_path
@@ -733,7 +757,7 @@ impl Container {
     /// restore may hold it for minutes, and the signal must still reach the task (a
     /// checkpoint it interrupts fails and says so).
     pub async fn kill(&self, signal: u32, all: bool) -> Result<()> {
-        {
+        let state = {
             let mut pending = self.pending_kill.lock().expect("pending_kill lock");
             let state = self.state();
             if state == InitState::Stopped {
@@ -751,8 +775,27 @@ impl Container {
                 }
                 return Ok(()); // nothing runs yet
             }
+            state
+        };
+        let killed = self.runc.kill(&self.id, signal, all).await;
+        if signal == libc::SIGKILL as u32 && state == InitState::Paused {
+            self.thaw_for_kill().await;
         }
-        self.runc.kill(&self.id, signal, all).await
+        killed
+    }
+
+    /// After a SIGKILL to a paused task: in a frozen cgroup (cgroup v1) the signal takes
+    /// effect only at the thaw, and the init of a PID namespace is reaped only once its
+    /// frozen processes died — without a thaw no exit ever comes (#27.1: a CRIU that died
+    /// mid-dump leaves the init dying in a frozen cgroup). Whether the runtime's own kill
+    /// thaws depends on its version, `--all` and what it makes of the dying init, so the
+    /// shim thaws itself (containerd's runc shim thaws a paused task whose init exited); the
+    /// exit then moves the task to `Stopped`.
+    async fn thaw_for_kill(&self) {
+        match self.runc.resume(&self.id).await {
+            Ok(()) => tracing::info!(id = %self.id, "thawed the paused task it killed"),
+            Err(e) => tracing::debug!(id = %self.id, "thaw after SIGKILL: {e}"),
+        }
     }
 
     pub async fn update(&self, resources: &Any) -> Result<()> {

@@ -22,6 +22,13 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{op} failed: {msg}")]
     Runtime { op: &'static str, msg: String },
+    /// runc died of a signal before it could log an error: killed by someone else (an
+    /// operator, the OOM killer, a test); the shim killed what it had started with it.
+    #[error(
+        "{op} failed: runc was killed by signal {signal} before it finished (not by the shim: \
+         an OOM kill or another process); CRIU under it was killed with its process group"
+    )]
+    RuntimeKilled { op: &'static str, signal: i32 },
     #[error("checkpoint of {id} failed: {msg}; {left}{}", criu_log_hint(.log))]
     Checkpoint {
         id: String,
@@ -147,6 +154,7 @@ impl Error {
             Error::Unsupported(_) => Code::UNIMPLEMENTED,
             Error::TimedOut { .. } => Code::DEADLINE_EXCEEDED,
             Error::Runtime { .. }
+            | Error::RuntimeKilled { .. }
             | Error::Checkpoint { .. }
             | Error::Restore { .. }
             | Error::Gpu(_)

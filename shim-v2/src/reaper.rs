@@ -145,10 +145,7 @@ impl Spawner {
                 // A runc that failed (or was killed) may leave CRIU behind in its group,
                 // holding the container's processes and our pipes: it goes with runc.
                 if within.is_some() && status != 0 {
-                    let _ = nix::sys::signal::killpg(
-                        Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
+                    kill_group(pid).await;
                 }
                 Ok::<_, std::io::Error>(status)
             };
@@ -189,10 +186,7 @@ impl Spawner {
             Some(d) => match tokio::time::timeout(d, &mut exit).await {
                 Ok(Ok(status)) if status != 0 => {
                     // As in `output_within`: a failed runc's CRIU goes with it.
-                    let _ = nix::sys::signal::killpg(
-                        Pid::from_raw(pid),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
+                    kill_group(pid).await;
                     Ok(status)
                 }
                 Ok(r) => r,
@@ -247,6 +241,24 @@ type ExitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Re
 
 /// How long a killed command's exit is waited for before the caller is answered anyway.
 const KILLED_EXIT_WAIT: Duration = Duration::from_secs(10);
+
+/// SIGKILLs the process group `pgid` (a failed runc's CRIU) and waits, bounded by
+/// [`KILLED_EXIT_WAIT`], until none of it is left: a CRIU killed mid-restore holds its
+/// cgroup yard in the work directory until it is gone, and the caller's cleanup (and
+/// containerd's removal of the bundle) comes next. Orphans are reaped by the shim's
+/// reaper, so the group empties.
+async fn kill_group(pgid: i32) {
+    use nix::sys::signal::{killpg, Signal};
+    let group = Pid::from_raw(pgid);
+    let started = std::time::Instant::now();
+    while killpg(group, Signal::SIGKILL).is_ok() {
+        if started.elapsed() > KILLED_EXIT_WAIT {
+            tracing::warn!(pgid, "the failed runc's process group outlived its SIGKILL");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
 
 /// Kills the command `pid` that outlived `after` with what it started, waits (bounded)
 /// for its exit, and says so as a `TimedOut` error.

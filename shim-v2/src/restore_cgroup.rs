@@ -70,6 +70,53 @@ pub fn rename_spec_cgroup(
     Ok(Some(renamed))
 }
 
+/// SIGKILLs every process in the cgroup the bundle's spec names (`linux.cgroupsPath`, in
+/// any hierarchy) and returns their pids: what a `runc restore` killed mid-way leaves
+/// running — tasks CRIU had forked and moved out of runc's process group, orphaned to the
+/// shim before runc registered the container, so `runc delete` does not know them. The
+/// spec's path is this restore's own (see `rename_spec_cgroup`). On cgroup v2, CRIU puts
+/// restored tasks into the checkpoint's cgroup instead (see the module doc), which is
+/// never touched here.
+pub fn kill_spec_cgroup(bundle: &Path) -> Vec<i32> {
+    let Some(want) = spec_cgroup_suffix(bundle) else {
+        return Vec::new();
+    };
+    let in_cgroup = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|text| {
+            text.lines()
+                .filter_map(|l| l.splitn(3, ':').nth(2))
+                .any(|path| path.ends_with(&want))
+        })
+    };
+    let killed: Vec<i32> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .filter(|pid| in_cgroup(*pid))
+        .collect();
+    for pid in &killed {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    killed
+}
+
+/// How the spec's cgroup shows in `/proc/<pid>/cgroup`: the path itself (cgroupfs), or
+/// `/<prefix>-<name>.scope` for systemd's `slice:prefix:name`.
+fn spec_cgroup_suffix(bundle: &Path) -> Option<String> {
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).ok()?).ok()?;
+    let path = spec["linux"]["cgroupsPath"].as_str()?;
+    let suffix = match path.split(':').collect::<Vec<_>>()[..] {
+        [_, prefix, name] => format!("/{prefix}-{name}.scope"),
+        _ => format!("/{}", path.trim_matches('/')),
+    };
+    (suffix.len() > 1).then_some(suffix)
+}
+
 /// Moves `init` and its descendants into the container's own cgroup (runc's state of `id`
 /// under `runc_root`) when they are elsewhere; returns how many moved.
 pub fn adopt(runc_root: &Path, id: &str, init: u32) -> Result<usize, CgroupError> {
@@ -136,6 +183,23 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
         v["linux"]["cgroupsPath"].as_str().unwrap().to_owned()
+    }
+
+    #[test]
+    fn the_spec_cgroup_shows_as_its_path_or_its_systemd_scope() {
+        let d = tempfile::tempdir().unwrap();
+        spec_with(d.path(), "/k8s.io/abc");
+        assert_eq!(spec_cgroup_suffix(d.path()).as_deref(), Some("/k8s.io/abc"));
+        spec_with(d.path(), "system.slice:cri-containerd:abc");
+        assert_eq!(
+            spec_cgroup_suffix(d.path()).as_deref(),
+            Some("/cri-containerd-abc.scope")
+        );
+        spec_with(d.path(), "/");
+        assert_eq!(spec_cgroup_suffix(d.path()), None);
+        // No process is in a cgroup that does not exist.
+        spec_with(d.path(), "/gpucr-test-no-such-cgroup/x");
+        assert!(kill_spec_cgroup(d.path()).is_empty());
     }
 
     #[test]

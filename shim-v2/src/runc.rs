@@ -16,6 +16,33 @@ use crate::{
     reaper::Spawner,
 };
 
+/// What [`Runc::last_error`] says when runc logged nothing and wrote nothing to stderr.
+const NO_MESSAGE: &str = "runc failed without a message";
+/// Where `runc restore` bind-mounts the rootfs for CRIU, in its state directory.
+const CRIU_ROOT: &str = "criu-root";
+
+/// What a `runc restore` killed mid-way left, that could not be removed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeftoverError {
+    #[error(
+        "unmounting {path}, the rootfs a killed `runc restore` left mounted for CRIU: {source}"
+    )]
+    Unmount {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "removing {path}, the state directory a killed `runc restore` left without a \
+         state.json (runc delete does not know it): {source}"
+    )]
+    Remove {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Global flags for every runc call of one container.
 #[derive(Clone)]
 pub struct Runc {
@@ -213,10 +240,7 @@ impl Runc {
             .await
             .map_err(|e| self.spawn_error(op, e, within))?;
         if out.status != 0 {
-            return Err(Error::Runtime {
-                op,
-                msg: self.last_error(&out.stderr),
-            });
+            return Err(self.failed(op, out.status, &out.stderr));
         }
         Ok(out.stdout)
     }
@@ -243,12 +267,19 @@ impl Runc {
             .await
             .map_err(|e| self.spawn_error(op, e, within))?;
         if status != 0 {
-            return Err(Error::Runtime {
-                op,
-                msg: self.last_error(b""),
-            });
+            return Err(self.failed(op, status, b""));
         }
         Ok(())
+    }
+
+    /// The error of a runc that exited with `status`: its last logged error, or, when it
+    /// logged none and died of a signal (status 128 + signal), that signal.
+    fn failed(&self, op: &'static str, status: i32, stderr: &[u8]) -> Error {
+        let msg = self.last_error(stderr);
+        match status - 128 {
+            signal @ 1..=64 if msg == NO_MESSAGE => Error::RuntimeKilled { op, signal },
+            _ => Error::Runtime { op, msg },
+        }
     }
 
     fn spawn_error(&self, op: &'static str, e: std::io::Error, within: Option<Duration>) -> Error {
@@ -286,7 +317,7 @@ impl Runc {
         match logged {
             Some(m) if stderr.is_empty() || stderr.contains(&m) => m,
             Some(m) => format!("{m} ({stderr})"),
-            None if stderr.is_empty() => "runc failed without a message".to_string(),
+            None if stderr.is_empty() => NO_MESSAGE.to_string(),
             None => stderr,
         }
     }
@@ -480,6 +511,33 @@ impl Runc {
             .map(drop)
     }
 
+    /// Removes what a `runc restore` killed mid-way leaves of `id` (#27): runc bind-mounts
+    /// the rootfs at `<root>/<id>/criu-root` for CRIU and removes it when CRIU returns, and
+    /// writes `state.json` only after the restore — so `runc delete` does not know such a
+    /// container and the mount and directory would stay. Only a directory without
+    /// `state.json` is touched. Returns whether there was anything to remove.
+    pub fn remove_restore_leftovers(&self, id: &str) -> std::result::Result<bool, LeftoverError> {
+        let dir = self.root.join(id);
+        if !dir.is_dir() || dir.join("state.json").exists() {
+            return Ok(false);
+        }
+        let criu_root = dir.join(CRIU_ROOT);
+        match nix::mount::umount2(&criu_root, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::errno::Errno::EINVAL | nix::errno::Errno::ENOENT) => {}
+            Err(e) => {
+                return Err(LeftoverError::Unmount {
+                    path: criu_root,
+                    source: e.into(),
+                })
+            }
+        }
+        std::fs::remove_dir_all(&dir).map_err(|source| LeftoverError::Remove {
+            path: dir.clone(),
+            source,
+        })?;
+        Ok(true)
+    }
+
     /// `runc restore`; past `within` runc and CRIU (with what it restored so far) are
     /// killed ([`Error::TimedOut`]).
     pub async fn restore(
@@ -522,6 +580,44 @@ mod tests {
              --tcp-established --ext-unix-sk --shell-job --file-locks --empty-ns network \
              --manage-cgroups-mode soft"
         );
+    }
+
+    fn runc_at(root: &Path) -> Runc {
+        Runc {
+            binary: "runc".into(),
+            root: root.to_path_buf(),
+            systemd_cgroup: false,
+            log: root.join("log.json"),
+            spawner: Spawner::Plain,
+        }
+    }
+
+    #[test]
+    fn a_killed_restore_leaves_are_removed_a_registered_container_is_not() {
+        let d = tempfile::tempdir().unwrap();
+        let runc = runc_at(d.path());
+        std::fs::create_dir_all(d.path().join("killed").join(CRIU_ROOT)).unwrap();
+        std::fs::create_dir_all(d.path().join("live")).unwrap();
+        std::fs::write(d.path().join("live").join("state.json"), "{}").unwrap();
+        assert!(runc.remove_restore_leftovers("killed").unwrap());
+        assert!(!d.path().join("killed").exists());
+        assert!(!runc.remove_restore_leftovers("live").unwrap());
+        assert!(d.path().join("live").join("state.json").exists());
+        assert!(!runc.remove_restore_leftovers("never").unwrap());
+    }
+
+    #[test]
+    fn a_runc_killed_without_a_message_is_named_so() {
+        let d = tempfile::tempdir().unwrap();
+        let runc = runc_at(d.path());
+        let e = runc.failed("runc restore", 128 + libc::SIGKILL, b"");
+        assert!(matches!(e, Error::RuntimeKilled { signal: 9, .. }), "{e}");
+        assert!(e.to_string().contains("killed by signal 9"), "{e}");
+        // A runc that said why keeps its message, whatever its status.
+        let e = runc.failed("runc restore", 137, b"criu failed: type RESTORE errno 0");
+        assert!(matches!(e, Error::Runtime { .. }), "{e}");
+        let e = runc.failed("runc restore", 1, b"");
+        assert!(matches!(e, Error::Runtime { .. }), "{e}");
     }
 
     #[test]

@@ -428,6 +428,7 @@ impl containerd_shim::Shim for Service {
         // blocks), then what the dead shim left running (a checkpoint's or restore's runc
         // and CRIU, which hold the container's processes seized), then runc's state.
         crate::container::unmount_rootfs(&bundle);
+        crate::container::unmount_under(&bundle.join(crate::container::BUNDLE_CRIU_WORK));
         for pid in runc.orphans() {
             let killed = crate::reaper::kill_tree(pid);
             eprintln!(
@@ -442,7 +443,16 @@ impl containerd_shim::Shim for Service {
             // Already gone from runc is fine; anything else is worth a line in the log.
             eprintln!("gpucr: runc delete --force {}: {e}", self.id);
         }
+        // A restore the dead shim was running: runc killed with it left CRIU's rootfs mount.
+        if let Err(e) = runc.remove_restore_leftovers(&self.id) {
+            eprintln!("gpucr: {}: {e}", self.id);
+        }
         crate::unpacked::discard_recorded(&bundle).await;
+        // A killed shim leaves its socket (the crate removes it only on a clean exit): gone
+        // unless another shim of the pod listens there.
+        if let Ok(address) = std::fs::read_to_string(bundle.join(ADDRESS_FILE)) {
+            remove_stale_socket(address.trim()).await;
+        }
         let pid = std::fs::read_to_string(bundle.join("init.pid"))
             .ok()
             .and_then(|s| s.trim().parse().ok())

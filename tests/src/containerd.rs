@@ -427,6 +427,16 @@ impl Containerd {
             .join(id)
     }
 
+    /// The socket of the shim serving container `id` (not in a pod): where containerd's
+    /// shims listen, `/run/containerd/s/<sha256 of address/namespace/id>`.
+    pub fn shim_socket(&self, id: &str) -> PathBuf {
+        use sha2::{Digest, Sha256};
+        let key = self.address.join(&self.namespace).join(id);
+        let hash = Sha256::digest(key.to_string_lossy().as_bytes());
+        let hex: String = hash.iter().map(|b| format!("{b:02x}")).collect();
+        Path::new("/run/containerd/s").join(hex)
+    }
+
     /// The last `lines` lines of containerd's log (shim logs go there too).
     pub fn log_tail(&self, lines: usize) -> String {
         let text = fs::read_to_string(&self.log_path).unwrap_or_default();

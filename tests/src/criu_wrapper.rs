@@ -3,10 +3,13 @@
 //!
 //! - `hang`: sleep instead of running CRIU (a CRIU that never returns);
 //! - `kill-at`: run CRIU and SIGKILL it once its dump or restore log holds the line the
-//!   file names (CRIU dying mid-dump).
+//!   file names (CRIU dying mid-dump);
+//! - `kill-runc-at`: the same, but SIGKILL the runc that runs CRIU (runc dying mid-dump or
+//!   mid-restore; the shim then kills CRIU with runc's process group).
 //!
 //! Pids of the wrapped CRIUs that hung or were killed are appended to `hung.pids` and
-//! `killed.pids`. Without a failpoint file the installed CRIU runs as is.
+//! `killed.pids`, those of the runcs killed to `killed-runc.pids` and of their CRIUs to
+//! `criu-of-killed-runc.pids`. Without a failpoint file the installed CRIU runs as is.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -25,6 +28,8 @@ pub enum CriuFault<'a> {
     Hang,
     /// CRIU is SIGKILLed once its log holds this text.
     KillAt(&'a str),
+    /// The runc that runs CRIU is SIGKILLed once CRIU's log holds this text.
+    KillRuncAt(&'a str),
 }
 
 impl CriuWrapper {
@@ -35,17 +40,22 @@ impl CriuWrapper {
             .tempdir()
             .unwrap();
         let d = dir.path().display();
-        // `$$` in the watcher is the wrapper's pid, which `exec` hands to CRIU.
+        // `$$` in the watcher is the wrapper's pid, which `exec` hands to CRIU; `$PPID` is
+        // the runc that started it. One watcher, two victims.
         let script = format!(
             "#!/bin/sh\n\
              if [ -e '{d}/hang' ]; then echo $$ >> '{d}/hung.pids'; exec sleep 600; fi\n\
-             if [ -e '{d}/kill-at' ]; then\n\
-               at=$(cat '{d}/kill-at')\n\
+             victim=; for fault in kill-at:$$:killed kill-runc-at:$PPID:killed-runc; do\n\
+               f=${{fault%%:*}}; rest=${{fault#*:}}\n\
+               if [ -e '{d}/'$f ]; then at=$(cat '{d}/'$f); victim=${{rest%%:*}}; record=${{rest#*:}}; fi\n\
+             done\n\
+             if [ -n \"$victim\" ]; then\n\
                ( i=0; while [ $i -lt 3000 ]; do i=$((i+1))\n\
                    for f in /proc/$$/fd/*; do\n\
                      l=$(readlink \"$f\" 2>/dev/null)\n\
                      case \"$l\" in *.log) if grep -qF \"$at\" \"$l\" 2>/dev/null; then\n\
-                       echo $$ >> '{d}/killed.pids'; kill -9 $$; exit 0; fi;; esac\n\
+                       echo $victim >> '{d}/'$record.pids; echo $$ >> '{d}/'criu-of-$record.pids\n\
+                       kill -9 $victim; exit 0; fi;; esac\n\
                    done; sleep 0.01; done ) &\n\
              fi\n\
              exec '{}' \"$@\"\n",
@@ -72,17 +82,21 @@ impl CriuWrapper {
         match fault {
             CriuFault::Hang => std::fs::write(self.dir.path().join("hang"), b"").unwrap(),
             CriuFault::KillAt(at) => std::fs::write(self.dir.path().join("kill-at"), at).unwrap(),
+            CriuFault::KillRuncAt(at) => {
+                std::fs::write(self.dir.path().join("kill-runc-at"), at).unwrap()
+            }
         }
     }
 
     /// The next CRIU runs as installed.
     pub fn disarm(&self) {
-        for f in ["hang", "kill-at"] {
+        for f in ["hang", "kill-at", "kill-runc-at"] {
             let _ = std::fs::remove_file(self.dir.path().join(f));
         }
     }
 
-    /// Pids recorded in `file` (`hung.pids`, `killed.pids`).
+    /// Pids recorded in `file` (`hung.pids`, `killed.pids`, `killed-runc.pids`,
+    /// `criu-of-killed-runc.pids`).
     pub fn pids(&self, file: &str) -> Vec<i32> {
         std::fs::read_to_string(self.dir.path().join(file))
             .unwrap_or_default()

@@ -1,20 +1,25 @@
 //! Faults mid-way through a checkpoint or restore end clean (#27): the task's reported state
 //! is true, every verb still works (resume, checkpoint again, kill, delete), nothing is
-//! left (processes, mounts, bundle, runc state, shim, containerd's unpacked copy), and the
-//! error names the cause. CRIU fails through the `criu` wrapper (`criu_wrapper.rs`); the
-//! shim and runc are SIGKILLed by pid; a full disk is a small tmpfs under the checkpoint.
+//! left (processes, mounts, bundle, runc state, shim and its socket, containerd's unpacked
+//! copy), and the error names the cause. CRIU fails, or its runc is killed, through the
+//! `criu` wrapper (`criu_wrapper.rs`); the shim is SIGKILLed by pid, also while held at each
+//! failpoint; a full disk is a small tmpfs under the checkpoint.
 //! The failpoints and their outcomes are listed in docs/ARCHITECTURE.md.
 
 use std::path::Path;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
 use gpucr_tests::{
-    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
+    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, Output,
+    GPUCR_RUNTIME,
 };
 
 /// A CRIU log line written once the dump has started on the task's memory.
 const MID_DUMP: &str = "Dumping pages (type:";
+/// A CRIU log line written as the restore forks the process tree.
+const MID_RESTORE: &str = "Forking task with";
 /// What containerd may take to clean up after a dead shim (`shim delete`, 5 s at most).
 const CLEANUP_WITHIN: Duration = Duration::from_secs(15);
 
@@ -66,6 +71,59 @@ impl Faulty {
             .unwrap()
     }
 
+    /// Runs `ctr <args>` in a thread (bounded to a minute), for a fault to strike meanwhile.
+    fn ctr_in_background(&self, args: &[&str]) -> JoinHandle<gpucr_tests::Result<Output>> {
+        let cmd = self
+            .ctd
+            .ctr_cmd()
+            .args(args)
+            .timeout(Duration::from_secs(60));
+        std::thread::spawn(move || cmd.output())
+    }
+
+    /// Waits until the wrapper recorded a CRIU in `file` (`hung.pids`).
+    fn wait_criu(&self, file: &str) {
+        poll_until(
+            &format!("a CRIU in {file}"),
+            Duration::from_secs(20),
+            || {
+                Ok(if self.criu.pids(file).is_empty() {
+                    Err(())
+                } else {
+                    Ok(())
+                })
+            },
+        )
+        .unwrap();
+    }
+
+    /// SIGKILLs the shim serving `id`.
+    fn kill_shim(&self, id: &str) {
+        let address = self.ctd.address().to_string_lossy().into_owned();
+        let shim = procfs::shim_pid(&address, id).expect("the shim");
+        procfs::sigkill(shim).unwrap();
+    }
+
+    /// `ctr task rm -f` then `ctr container rm`, on whatever a fault left of `id` (a task
+    /// containerd already dropped with its dead shim is not found): both work, within
+    /// seconds, and nothing of `id` is left.
+    fn remove_with_force(&self, id: &str) {
+        let t0 = Instant::now();
+        let rm = self.ctd.ctr(&["task", "rm", "-f", id]).unwrap();
+        assert!(
+            rm.success() || rm.stderr.contains("not found"),
+            "ctr task rm -f {id}: {}",
+            rm.stderr
+        );
+        self.ctd.ctr_ok(&["container", "rm", id]).unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "removing {id} took {:?}",
+            t0.elapsed()
+        );
+        self.assert_nothing_left(id);
+    }
+
     /// The task runs and counts, pauses and resumes, checkpoints again, and is removed
     /// leaving nothing.
     fn assert_every_verb_works(&self, id: &str) {
@@ -83,9 +141,11 @@ impl Faulty {
         self.assert_nothing_left(id);
     }
 
-    /// No shim, bundle, rootfs mount, runc state or container process of `id`.
+    /// No shim, shim socket, bundle, rootfs mount, runc state, container process of `id`,
+    /// or unpacked checkpoint copy of the daemon.
     fn assert_nothing_left(&self, id: &str) {
         let bundle = self.ctd.bundle(id);
+        let socket = self.ctd.shim_socket(id);
         let runc_state = Path::new("/run/containerd/runc")
             .join(self.ctd.namespace())
             .join(id);
@@ -93,6 +153,9 @@ impl Faulty {
         poll_until(&format!("nothing of {id} left"), CLEANUP_WITHIN, || {
             let left: Vec<String> = [
                 procfs::shim_pid(&address, id).map(|p| format!("shim {p}")),
+                socket
+                    .exists()
+                    .then(|| format!("shim socket {}", socket.display())),
                 bundle
                     .exists()
                     .then(|| format!("bundle {}", bundle.display())),
@@ -105,6 +168,9 @@ impl Faulty {
                 Some(procfs::cgroup_members(self.ctd.namespace()))
                     .filter(|m| !m.is_empty())
                     .map(|m| format!("container processes {m:?}")),
+                Some(self.ctd.unpacked_checkpoints())
+                    .filter(|u| !u.is_empty())
+                    .map(|u| format!("unpacked checkpoints {u:?}")),
             ]
             .into_iter()
             .flatten()
@@ -166,12 +232,7 @@ fn runc_killed_mid_dump_kills_its_criu_and_leaves_the_task_usable() {
     let id = unique_id("flt-runc");
     f.counter(&id);
     f.criu.arm(CriuFault::Hang);
-    let cmd = f
-        .ctd
-        .ctr_cmd()
-        .args(["task", "checkpoint", &id])
-        .timeout(Duration::from_secs(60));
-    let ck = std::thread::spawn(move || cmd.output());
+    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
     let log = f.ctd.bundle(&id).join("log.json");
     let runc = poll_until("runc checkpoint running", Duration::from_secs(10), || {
         let found = procfs::processes().into_iter().find(|p| {
@@ -181,14 +242,7 @@ fn runc_killed_mid_dump_kills_its_criu_and_leaves_the_task_usable() {
         Ok(found.map(|p| p.pid).ok_or(()))
     })
     .unwrap();
-    poll_until("CRIU hung", Duration::from_secs(10), || {
-        Ok(if f.criu.pids("hung.pids").is_empty() {
-            Err(())
-        } else {
-            Ok(())
-        })
-    })
-    .unwrap();
+    f.wait_criu("hung.pids");
     procfs::sigkill(runc).unwrap();
     let out = ck.join().unwrap().expect("ctr ran");
     f.criu.disarm();
@@ -196,6 +250,55 @@ fn runc_killed_mid_dump_kills_its_criu_and_leaves_the_task_usable() {
     assert!(out.stderr.contains("runc checkpoint"), "{}", out.stderr);
     f.criu.assert_gone("hung.pids", Duration::from_secs(5));
     f.assert_every_verb_works(&id);
+}
+
+/// A task the client paused, whose `runc checkpoint` is SIGKILLed once CRIU dumps its pages
+/// (the shim kills CRIU with runc's process group, the parasite in the dumped processes
+/// with it): the checkpoint fails naming runc, CRIU is gone, and `ctr task rm -f` /
+/// `ctr c rm` remove what is left — a frozen cgroup, a dying init — leaving nothing.
+/// With `restart`, containerd restarts before the removal.
+fn runc_killed_mid_dump_of_a_paused_task(restart: bool) {
+    let Some(mut f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id(if restart { "flt-rkctd" } else { "flt-rkpaused" });
+    f.counter(&id);
+    f.ctd.ctr_ok(&["task", "pause", &id]).unwrap();
+    f.criu.arm(CriuFault::KillRuncAt(MID_DUMP));
+    let out = f.ctd.ctr(&["task", "checkpoint", &id]).expect("ctr ran");
+    f.criu.disarm();
+    assert!(!out.success(), "the checkpoint must fail: {}", out.stdout);
+    assert!(out.stderr.contains("runc checkpoint"), "{}", out.stderr);
+    assert!(
+        !f.criu.pids("killed-runc.pids").is_empty(),
+        "runc was not killed"
+    );
+    f.criu
+        .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
+    assert!(
+        out.stderr.contains("runc was killed by signal 9") && out.stderr.contains("left paused"),
+        "the error names runc's death and what is left: {}",
+        out.stderr
+    );
+    assert_eq!(
+        f.ctd.task_status(&id).unwrap().as_deref(),
+        Some("PAUSED"),
+        "the task stays as its client left it"
+    );
+    if restart {
+        f.ctd.restart().unwrap();
+    }
+    f.remove_with_force(&id);
+}
+
+#[test]
+fn runc_killed_mid_dump_of_a_paused_task_is_removed_with_force() {
+    runc_killed_mid_dump_of_a_paused_task(false);
+}
+
+#[test]
+fn runc_killed_mid_dump_then_containerd_restarted_leaves_nothing() {
+    runc_killed_mid_dump_of_a_paused_task(true);
 }
 
 #[test]
@@ -234,12 +337,14 @@ fn a_full_disk_is_named_and_the_task_runs_on() {
     procfs::unmount_under(small.path());
 }
 
-// Ignored: in a PID namespace the init's exit waits for its frozen children (the kernel
-// reaps the init only after they die), so the shim never sees it while the cgroup stays
-// frozen; the shim must first notice the dying init (e.g. on Delete/Kill) and thaw.
+/// A paused task whose init exits (what a CRIU that died mid-dump leaves when its parasite
+/// takes the init down with it). In its own PID namespace the kernel reaps the init only
+/// after its other processes died, and those are frozen: no exit reaches the shim, the
+/// task is truly still PAUSED. `ctr task rm -f` kills it with SIGKILL, which thaws the
+/// cgroup (runc's kill of a paused container, and the shim's own thaw after it), the exit
+/// comes, the task is deleted, and nothing is left.
 #[test]
-#[ignore = "the init of a frozen PID namespace is not reaped until the thaw (#27.1, left)"]
-fn a_paused_task_whose_init_exits_is_deleted() {
+fn a_paused_task_whose_init_exits_is_removed_with_force() {
     let Some(f) = Faulty::start(&[]) else {
         return;
     };
@@ -247,8 +352,8 @@ fn a_paused_task_whose_init_exits_is_deleted() {
     f.counter(&id);
     let pid = f.ctd.task_pid(&id).unwrap() as i32;
     f.ctd.ctr_ok(&["task", "pause", &id]).unwrap();
-    // What a CRIU that refroze the cgroup leaves: the init gone, the cgroup frozen. The
-    // init leaves the frozen cgroup (to the root freezer) and dies there.
+    // The init leaves the frozen cgroup (to the root freezer) and dies there; its children
+    // stay frozen.
     let root_procs = [
         "/sys/fs/cgroup/freezer/cgroup.procs",
         "/sys/fs/cgroup/cgroup.procs",
@@ -258,12 +363,13 @@ fn a_paused_task_whose_init_exits_is_deleted() {
     .unwrap();
     std::fs::write(root_procs, pid.to_string()).unwrap();
     procfs::sigkill(pid).unwrap();
-    f.ctd.wait_status(&id, "STOPPED").unwrap();
-    let t0 = Instant::now();
-    f.ctd.ctr_ok(&["task", "rm", &id]).unwrap();
-    f.ctd.ctr_ok(&["container", "rm", &id]).unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(10));
-    f.assert_nothing_left(&id);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        f.ctd.task_status(&id).unwrap().as_deref(),
+        Some("PAUSED"),
+        "nothing exited yet: the init waits for its frozen children"
+    );
+    f.remove_with_force(&id);
 }
 
 #[test]
@@ -274,33 +380,16 @@ fn the_shim_killed_mid_dump_leaves_nothing() {
     let id = unique_id("flt-shimck");
     f.counter(&id);
     f.criu.arm(CriuFault::Hang);
-    let cmd = f
-        .ctd
-        .ctr_cmd()
-        .args(["task", "checkpoint", &id])
-        .timeout(Duration::from_secs(60));
-    let ck = std::thread::spawn(move || cmd.output());
-    poll_until("CRIU hung", Duration::from_secs(10), || {
-        Ok(if f.criu.pids("hung.pids").is_empty() {
-            Err(())
-        } else {
-            Ok(())
-        })
-    })
-    .unwrap();
-    let address = f.ctd.address().to_string_lossy().into_owned();
-    let shim = procfs::shim_pid(&address, &id).expect("the shim");
-    procfs::sigkill(shim).unwrap();
+    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+    f.wait_criu("hung.pids");
+    f.kill_shim(&id);
     let out = ck.join().unwrap().expect("ctr ran");
     f.criu.disarm();
     assert!(!out.success(), "{}", out.stdout);
     // containerd ran `shim delete`: it killed the dead shim's runc and CRIU, unmounted the
     // rootfs and deleted runc's state before containerd removed the bundle.
     f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
-    f.ctd.wait_status(&id, "STOPPED").unwrap_or(());
-    let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
-    f.ctd.ctr_ok(&["container", "rm", &id]).unwrap();
-    f.assert_nothing_left(&id);
+    f.remove_with_force(&id);
 }
 
 #[test]
@@ -314,36 +403,58 @@ fn the_shim_killed_mid_restore_leaves_no_unpacked_copy() {
     f.ctd.container_checkpoint(&id, &reference, true).unwrap();
     f.ctd.remove_container(&id).unwrap();
     f.criu.arm(CriuFault::Hang);
-    let cmd = f
-        .ctd
-        .ctr_cmd()
-        .args(["container", "restore", "--live", "--rw", &id, &reference])
-        .timeout(Duration::from_secs(60));
-    let rs = std::thread::spawn(move || cmd.output());
-    poll_until("CRIU hung", Duration::from_secs(20), || {
-        Ok(if f.criu.pids("hung.pids").is_empty() {
-            Err(())
-        } else {
-            Ok(())
-        })
-    })
-    .unwrap();
+    let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
+    f.wait_criu("hung.pids");
     assert!(
         !f.ctd.unpacked_checkpoints().is_empty(),
         "no unpacked copy to test"
     );
-    let address = f.ctd.address().to_string_lossy().into_owned();
-    procfs::sigkill(procfs::shim_pid(&address, &id).expect("the shim")).unwrap();
+    f.kill_shim(&id);
     let out = rs.join().unwrap().expect("ctr ran");
     f.criu.disarm();
     assert!(!out.success(), "{}", out.stdout);
     f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
     f.ctd.wait_unpacked_removed().unwrap();
-    let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
-    let _ = f.ctd.ctr(&["container", "rm", &id]);
-    f.assert_nothing_left(&id);
+    f.remove_with_force(&id);
     // The checkpoint in the content store is intact: it restores.
     f.ctd.container_restore(&id, &reference, true).unwrap();
+    f.assert_every_verb_works(&id);
+}
+
+/// `runc restore` SIGKILLed once CRIU forks the restored tree: the shim kills CRIU with
+/// runc's process group, kills what was restored and deletes runc's container; the restore
+/// fails naming runc, nothing is left (containerd's unpacked copy goes with the task), and
+/// the checkpoint restores after.
+#[test]
+fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-runcrs");
+    f.counter(&id);
+    let reference = format!("docker.io/gpucr/faults-runcrs:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let checkpointed = f.ctd.read_counter(&id).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    f.criu.arm(CriuFault::KillRuncAt(MID_RESTORE));
+    let out = f
+        .ctd
+        .ctr(&["container", "restore", "--live", "--rw", &id, &reference])
+        .unwrap();
+    f.criu.disarm();
+    assert!(!out.success(), "the restore must fail: {}", out.stdout);
+    assert!(
+        !f.criu.pids("killed-runc.pids").is_empty(),
+        "runc was not killed"
+    );
+    assert!(out.stderr.contains("runc restore"), "{}", out.stderr);
+    f.criu
+        .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
+    f.remove_with_force(&id);
+    f.ctd.container_restore(&id, &reference, true).unwrap();
+    f.ctd
+        .wait_counter_above(&id, checkpointed)
+        .expect("the restored counter goes on from the checkpoint");
     f.assert_every_verb_works(&id);
 }
 
@@ -405,6 +516,9 @@ const CHECKPOINT_POINTS: [&str; 4] = [
     "checkpoint.before-manifest",
 ];
 
+/// restore.before-hook-copy-in is the hook's (hook_fastpath.rs): a CPU task has no hook.
+const RESTORE_POINTS: [&str; 2] = ["restore.before-criu", "restore.after-criu"];
+
 #[test]
 fn every_checkpoint_failpoint_leaves_the_task_running_and_usable() {
     let points = Failpoints::new();
@@ -444,8 +558,7 @@ fn every_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
     f.ctd.container_checkpoint(&id, &reference, true).unwrap();
     let checkpointed = f.ctd.read_counter(&id).unwrap();
     f.ctd.remove_container(&id).unwrap();
-    // restore.before-hook-copy-in is the hook's (hook_fastpath.rs): a CPU task has no hook.
-    for point in ["restore.before-criu", "restore.after-criu"] {
+    for point in RESTORE_POINTS {
         points.fail(point);
         let out = f
             .ctd
@@ -475,6 +588,70 @@ fn every_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
     f.assert_every_verb_works(&id);
 }
 
+/// The shim SIGKILLed while held at each checkpoint failpoint (`pause`): the checkpoint
+/// fails, containerd's `shim delete` cleans up (the task's processes, rootfs mount, runc
+/// state, bundle, the dead shim's socket), and `ctr task rm -f` / `ctr c rm` of what is
+/// left work.
+#[test]
+fn the_shim_killed_at_each_checkpoint_failpoint_leaves_nothing() {
+    let points = Failpoints::new();
+    let Some(f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    for (i, point) in CHECKPOINT_POINTS.into_iter().enumerate() {
+        let id = unique_id(&format!("flt-shimfp{i}"));
+        f.counter(&id);
+        points.pause(point);
+        let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+        points.wait_held(point);
+        f.kill_shim(&id);
+        points.release(point);
+        let out = ck.join().unwrap().expect("ctr ran");
+        assert!(
+            !out.success(),
+            "{point}: the checkpoint must fail: {}",
+            out.stdout
+        );
+        f.remove_with_force(&id);
+    }
+}
+
+/// The shim SIGKILLed while held at each restore failpoint: the restore fails, `shim
+/// delete` leaves nothing (containerd's unpacked copy included), and the checkpoint in the
+/// content store restores after.
+#[test]
+fn the_shim_killed_at_each_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
+    let points = Failpoints::new();
+    let Some(f) = Faulty::start(&[("GPUCR_FAILPOINTS", points.path())]) else {
+        return;
+    };
+    let id = unique_id("flt-shimfprs");
+    f.counter(&id);
+    let reference = format!("docker.io/gpucr/faults-shimfprs:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let checkpointed = f.ctd.read_counter(&id).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    for point in RESTORE_POINTS {
+        points.pause(point);
+        let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
+        points.wait_held(point);
+        f.kill_shim(&id);
+        points.release(point);
+        let out = rs.join().unwrap().expect("ctr ran");
+        assert!(
+            !out.success(),
+            "{point}: the restore must fail: {}",
+            out.stdout
+        );
+        f.remove_with_force(&id);
+    }
+    f.ctd.container_restore(&id, &reference, true).unwrap();
+    f.ctd
+        .wait_counter_above(&id, checkpointed)
+        .expect("the restored counter goes on from the checkpoint");
+    f.assert_every_verb_works(&id);
+}
+
 #[test]
 fn containerd_restarted_mid_checkpoint_leaves_the_task_usable() {
     let points = Failpoints::new();
@@ -485,12 +662,7 @@ fn containerd_restarted_mid_checkpoint_leaves_the_task_usable() {
     f.counter(&id);
     let point = "checkpoint.before-dump";
     points.pause(point);
-    let cmd = f
-        .ctd
-        .ctr_cmd()
-        .args(["task", "checkpoint", &id])
-        .timeout(Duration::from_secs(60));
-    let ck = std::thread::spawn(move || cmd.output());
+    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
     points.wait_held(point);
     f.ctd.restart().unwrap();
     points.release(point);
@@ -527,12 +699,7 @@ fn containerd_restarted_mid_restore_leaves_nothing_and_the_checkpoint_restores()
     f.ctd.remove_container(&id).unwrap();
     let point = "restore.before-criu";
     points.pause(point);
-    let cmd = f
-        .ctd
-        .ctr_cmd()
-        .args(["container", "restore", "--live", "--rw", &id, &reference])
-        .timeout(Duration::from_secs(60));
-    let rs = std::thread::spawn(move || cmd.output());
+    let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
     points.wait_held(point);
     f.ctd.restart().unwrap();
     points.release(point);

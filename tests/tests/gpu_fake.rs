@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
 use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, FULL_CYCLE, LOCKED, RUNNING};
 use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
@@ -549,6 +550,32 @@ fn failed_manifest_after_the_dump_resumes_the_gpu() {
         err.contains("gpucr-checkpoint.json"),
         "the error names the manifest: {err}"
     );
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    g.assert_recovered(&id, &[pid]);
+    g.ctd.remove_container(&id).unwrap();
+}
+
+/// `runc checkpoint` SIGKILLed while CRIU dumps pages, after the shim locked and
+/// checkpointed the GPU: the shim kills CRIU with runc's process group and gives the GPU
+/// back (the full cycle, every process RUNNING), and the task runs on.
+#[test]
+fn runc_killed_mid_dump_gives_the_gpu_back() {
+    let criu = CriuWrapper::install();
+    let path = criu.path_env().to_string_lossy().into_owned();
+    let Some(g) = start_with_env(vec![("PATH".into(), path)]) else {
+        return;
+    };
+    let id = unique_id("gpu-runckill");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    criu.arm(CriuFault::KillRuncAt("Dumping pages (type:"));
+    let err = g.failed_checkpoint(&id);
+    criu.disarm();
+    assert!(
+        err.contains("runc checkpoint"),
+        "the error names runc: {err}"
+    );
+    criu.assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
     assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
     g.assert_recovered(&id, &[pid]);
     g.ctd.remove_container(&id).unwrap();
