@@ -36,7 +36,7 @@ DRY=${GPUCR_CRI_DRY:-0}
 OUT=${OUT:-$REPO/e2e-out}
 mkdir -p "$OUT"
 CARRY=${GPUCR_CRI_CARRY:-$REPO/carry}
-ONLY=${GPUCR_CRI_ONLY:-llm-hook train-hook llm-driver train-driver}
+ONLY=${GPUCR_CRI_ONLY:-llm-hook train-driver train-hook llm-driver}
 LLM_GIB=${GPUCR_CRI_LLM_GIB:-4}
 TRAIN_GIB=${GPUCR_CRI_TRAIN_GIB:-2}
 START=$(date +%s)
@@ -252,12 +252,12 @@ else:
     train = ["${TORCH_PY:-python3}", "/torch_train.py", "$TRAIN_GIB", "0", "500", "/tmp/steps"]
     add("llm-hook", command=llm, reference="$DATA/ref-llm.txt", mounts=mounts, env=env,
         cdi_devices=["nvidia.com/gpu=0"], ctr=ctr_gpu, expect_hook=True)
+    add("train-driver", command=train, reference="$DATA/ref-train.txt", mounts=mounts, env=env,
+        devices=devices, annotations={"io.gpucr.hook": "off"}, expect_hook=False)
     add("train-hook", command=train, reference="$DATA/ref-train.txt", mounts=mounts, env=env,
         devices=devices, ctr=ctr_gpu, expect_hook=True)
     add("llm-driver", command=llm, reference="$DATA/ref-llm.txt", mounts=mounts, env=env,
         cdi_devices=["nvidia.com/gpu=0"], annotations={"io.gpucr.hook": "off"}, expect_hook=False)
-    add("train-driver", command=train, reference="$DATA/ref-train.txt", mounts=mounts, env=env,
-        devices=devices, annotations={"io.gpucr.hook": "off"}, expect_hook=False)
 for s in scenarios:
     if s.get("ctr") is None:
         s.pop("ctr", None)
