@@ -229,7 +229,7 @@ if os.path.isdir("/usr/local/nvidia"): a += ["--mount", "type=bind,src=/usr/loca
 print(json.dumps(a))' "${GPU_DEVICES[@]}")
 DEVICES_JSON=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${GPU_DEVICES[@]}")
 python3 - "$DATA/plan.json" <<EOF
-import json, sys
+import json, os, sys
 dry = "$DRY" == "1"
 only = "$ONLY".split()
 scenarios = []
@@ -252,10 +252,17 @@ else:
     train = ["${TORCH_PY:-python3}", "/torch_train.py", "$TRAIN_GIB", "0", "500", "/tmp/steps"]
     add("llm-hook", command=llm, reference="$DATA/ref-llm.txt", mounts=mounts, env=env,
         cdi_devices=["nvidia.com/gpu=0"], ctr=ctr_gpu, expect_hook=True)
-    add("train-driver", command=train, reference="$DATA/ref-train.txt", mounts=mounts, env=env,
+    # Device nodes alone (a device plugin's AllocateResponse): the driver directory is its
+    # own mount then too (the plugin's Mounts), not a submount of the /usr bind, which CRIU
+    # cannot dump (squashfs there).
+    if os.path.isdir("/usr/local/nvidia"):
+        dev_mounts = mounts + [["/usr/local/nvidia", "/usr/local/nvidia"]]
+    else:
+        dev_mounts = mounts
+    add("train-driver", command=train, reference="$DATA/ref-train.txt", mounts=dev_mounts, env=env,
         devices=devices, annotations={"io.gpucr.hook": "off"}, expect_hook=False)
-    add("train-hook", command=train, reference="$DATA/ref-train.txt", mounts=mounts, env=env,
-        devices=devices, ctr=ctr_gpu, expect_hook=True)
+    add("train-hook", command=train, reference="$DATA/ref-train.txt", mounts=dev_mounts, env=env,
+        devices=devices, ctr=[a for d in devices for a in ("--device", d)], expect_hook=True)
     add("llm-driver", command=llm, reference="$DATA/ref-llm.txt", mounts=mounts, env=env,
         cdi_devices=["nvidia.com/gpu=0"], annotations={"io.gpucr.hook": "off"}, expect_hook=False)
 for s in scenarios:
