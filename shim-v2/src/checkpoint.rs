@@ -3,7 +3,7 @@
 //! Every checkpoint ends by writing `gpucr-checkpoint.json` (see `manifest`): every file of
 //! the image with its size and chunk hashes, which a restore checks before anything changes.
 //!
-//! With the hook (see `gpu_hook`), its processes move their device memory first:
+//! With the hook (see `gpu::hook`), its processes move their device memory first:
 //! hook copy-out → driver lock + checkpoint → dump → driver restore + unlock → hook give-back.
 //! A leave-running checkpoint of a running task snapshots the memory on the device instead
 //! of copying it out: the image is written after the give-back, while the task runs, and
@@ -17,9 +17,13 @@ use std::{
 use crate::{
     container::Container,
     error::{Error, IoContext, Result, TaskLeft},
-    failpoint, gpu,
-    gpu_hook::{self, HookCheckpoint, HookRecord},
-    hook_spec, host, layout, manifest,
+    failpoint,
+    gpu::{
+        driver as gpu,
+        hook::{self as gpu_hook, spec as hook_spec, HookCheckpoint, HookRecord},
+        host,
+    },
+    layout, manifest,
     options::CheckpointRequest,
     process::{
         init::InitProcess,

@@ -18,9 +18,12 @@ use crate::{
     deadline::Deadlines,
     error::{Error, IoContext, Result},
     failpoint,
-    gpu::{self, GpuConfig},
-    gpu_hook::{self, HookRecord},
-    hook_spec, host,
+    gpu::{
+        driver::{self as gpu, GpuConfig},
+        hook::{self as gpu_hook, spec as hook_spec, HookRecord},
+        host,
+        restore_helpers::RestoreHelpers,
+    },
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
     process::{
@@ -30,7 +33,6 @@ use crate::{
         ExitCell, ExitInfo,
     },
     reaper::Spawner,
-    restore_helpers::RestoreHelpers,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
     unpacked::UnpackedCheckpoint,
 };

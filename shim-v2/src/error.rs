@@ -47,7 +47,7 @@ pub enum Error {
     #[error("GPU: {0}")]
     Gpu(String),
     #[error("GPU hook: {0}")]
-    Hook(#[from] crate::gpu_hook::HookError),
+    Hook(#[from] crate::gpu::hook::HookError),
     #[error(transparent)]
     Cgroup(#[from] crate::restore_cgroup::CgroupError),
     #[error("{context}: {source}")]

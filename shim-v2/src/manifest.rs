@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{Error, IoContext, Result},
-    gpu_hook::{self, HookRecord},
+    gpu::hook::{self as gpu_hook, HookRecord},
     layout,
 };
 
