@@ -27,7 +27,7 @@ use crate::{
     options::CheckpointRequest,
     process::{
         init::InitProcess,
-        state::{InitState, Verb},
+        state::{InitState, TaskVerb},
     },
     runc::CheckpointOpts,
 };
@@ -53,7 +53,7 @@ pub fn criu_first_error(log: &Path) -> Option<String> {
 pub(crate) async fn give_back_blocking(h: HookCheckpoint) -> Result<()> {
     tokio::task::spawn_blocking(move || h.give_back())
         .await
-        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?
+        .map_err(gpu::GpuError::panicked("hook"))?
         .map_err(Error::from)
 }
 
@@ -129,7 +129,7 @@ impl Container {
         request: Option<Duration>,
     ) -> Result<()> {
         let mut init = self.init.lock().await;
-        init.state.next(Verb::Checkpoint)?;
+        init.state.next(TaskVerb::Checkpoint)?;
         failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_FREEZE).await?;
         let work = self.work_dir(req);
         if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
@@ -384,12 +384,11 @@ impl Container {
                 tracing::error!(id = %self.id, "re-pausing after the hook's copy-out: {e}");
             }
         }
-        let res = res.map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?;
-        res.map(Some).map_err(|e| Error::Checkpoint {
+        let res = res.map_err(gpu::GpuError::panicked("hook"))?;
+        res.map(Some).map_err(|e| Error::CheckpointStep {
             id: self.id.clone(),
-            msg: e.to_string(),
+            source: Box::new(e),
             left: TaskLeft::from(state),
-            log: None,
         })
     }
 
@@ -414,7 +413,7 @@ impl Container {
         .await;
         match res {
             Ok((record, given)) => (record, given.map_err(Error::from)),
-            Err(e) => (None, Err(Error::Gpu(format!("hook worker panicked: {e}")))),
+            Err(e) => (None, Err(gpu::GpuError::panicked("hook")(e))),
         }
     }
 
@@ -462,11 +461,10 @@ impl Container {
                 tracing::error!(id = %self.id, "re-pausing after GPU quiesce: {e}");
             }
         }
-        let q = res.map_err(|e| Error::Checkpoint {
+        let q = res.map_err(|e| Error::CheckpointStep {
             id: self.id.clone(),
-            msg: e.to_string(),
+            source: Box::new(e),
             left: TaskLeft::from(state),
-            log: None,
         })?;
         if let Some(q) = &q {
             tracing::info!(id = %self.id, pids = ?q.pids(),

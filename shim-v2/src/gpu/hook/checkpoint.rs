@@ -79,7 +79,7 @@ pub fn copy_out(
                 );
                 cp.moved.push(moved);
             }
-            Err(Outcome1::Fallback(reason)) => {
+            Err(NotMoved::Fallback(reason)) => {
                 tracing::warn!(id, pid = p.host_pid, %reason, "hook fast path not used for \
                     this process; the driver checkpoints all of its memory");
                 cp.fallbacks.push(Fallback {
@@ -87,7 +87,7 @@ pub fn copy_out(
                     reason,
                 });
             }
-            Err(Outcome1::Fatal(e)) => {
+            Err(NotMoved::Fatal(e)) => {
                 if let Err(again) = cp.give_back() {
                     tracing::error!(id, "after a hook failure: {again}");
                 }
@@ -99,7 +99,7 @@ pub fn copy_out(
 }
 
 /// Why one process did not move.
-enum Outcome1 {
+enum NotMoved {
     /// Running again with its memory: the driver path takes it.
     Fallback(String),
     /// Not running: the checkpoint must fail.
@@ -107,18 +107,18 @@ enum Outcome1 {
 }
 
 impl HookCheckpoint {
-    fn move_one(&self, p: &HookProcess, dir: &File) -> std::result::Result<Moved, Outcome1> {
-        let fallback = |e: HookError| Outcome1::Fallback(e.to_string());
+    fn move_one(&self, p: &HookProcess, dir: &File) -> std::result::Result<Moved, NotMoved> {
+        let fallback = |e: HookError| NotMoved::Fallback(e.to_string());
         let mut conn = Conn::open(p).map_err(fallback)?;
         let status = conn.status().map_err(fallback)?;
         if let Some(first) = status.unsupported.first() {
-            return Err(Outcome1::Fallback(format!(
+            return Err(NotMoved::Fallback(format!(
                 "{} allocation(s) the hook cannot move (first: {first:?})",
                 status.unsupported.len()
             )));
         }
         if status.state != CheckpointState::Running {
-            return Err(Outcome1::Fallback(format!(
+            return Err(NotMoved::Fallback(format!(
                 "the hook is {:?}, not Running (an earlier checkpoint did not finish)",
                 status.state
             )));
@@ -136,10 +136,10 @@ impl HookCheckpoint {
                     tracing::info!(id = %self.id, pid = p.host_pid, bytes = r.bytes,
                         windows = r.windows, prepare_ms, "copy-out prepared while the process runs");
                 }
-                Err(HookError::Verb { message, .. }) => tracing::info!(
+                Err(HookError::Verb { kind, message, .. }) => tracing::info!(
                     id = %self.id,
                     pid = p.host_pid,
-                    reason = %message,
+                    reason = %format!("{kind:?}: {message}"),
                     "copy-out not prepared"
                 ),
                 Err(e) => return Err(fallback(e)),
@@ -181,10 +181,10 @@ impl HookCheckpoint {
                     return Ok(moved);
                 }
                 // Refused: still Frozen, nothing released.
-                Err(HookError::Verb { message, .. }) => tracing::info!(
+                Err(HookError::Verb { kind, message, .. }) => tracing::info!(
                     id = %self.id,
                     pid = p.host_pid,
-                    reason = %message,
+                    reason = %format!("{kind:?}: {message}"),
                     "no device snapshot; copying the memory out while frozen"
                 ),
                 Err(e) => return Err(self.undo_one(&mut moved, &mut conn, e)),
@@ -213,15 +213,15 @@ impl HookCheckpoint {
 
     /// After `e` failed a process's checkpoint: it runs again with its memory (and goes
     /// to the driver path), or is stranded.
-    fn undo_one(&self, moved: &mut Moved, conn: &mut Conn, e: HookError) -> Outcome1 {
+    fn undo_one(&self, moved: &mut Moved, conn: &mut Conn, e: HookError) -> NotMoved {
         let p = &moved.process;
         let (host_pid, ns_pid) = (p.host_pid, p.ns_pid);
         match moved.give_back(&self.id, &self.image, conn) {
             Ok(()) => {
                 let _ = std::fs::remove_dir_all(HookRecord::image_of(&self.image, ns_pid));
-                Outcome1::Fallback(e.to_string())
+                NotMoved::Fallback(e.to_string())
             }
-            Err(undo) => Outcome1::Fatal(HookError::Stranded {
+            Err(undo) => NotMoved::Fatal(HookError::Stranded {
                 pid: host_pid,
                 cause: format!("{e}; then {undo}"),
             }),

@@ -79,7 +79,8 @@ impl Conn {
             Reply::Error(e) => Err(HookError::Verb {
                 pid: self.pid,
                 verb,
-                message: format!("{:?}: {}", e.kind, e.message),
+                kind: e.kind,
+                message: e.message,
             }),
         }
     }

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpucr_hook::control::{socket_path, ControlError};
-use gpucr_hook::protocol::Verb;
+use gpucr_hook::protocol::{ErrorKind, Verb};
 use thiserror::Error;
 
 mod checkpoint;
@@ -58,10 +58,12 @@ pub enum HookError {
         #[source]
         source: ControlError,
     },
-    #[error("hook of pid {pid}: {verb:?} failed: {message}")]
+    /// The hook answered with an error (its state unchanged).
+    #[error("hook of pid {pid}: {verb:?} failed: {kind:?}: {message}")]
     Verb {
         pid: u32,
         verb: Verb,
+        kind: ErrorKind,
         message: String,
     },
     #[error("hook of pid {pid}: {verb:?} answered {outcome}")]
@@ -83,8 +85,37 @@ pub enum HookError {
          the container from a checkpoint"
     )]
     Stranded { pid: u32, cause: String },
-    #[error("{path}: {msg}; take a new checkpoint")]
-    Record { path: PathBuf, msg: String },
+    #[error("{path}: cannot {what}: {source}; take a new checkpoint")]
+    RecordIo {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: damaged: {source}; take a new checkpoint")]
+    RecordDamaged {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error(
+        "{path}: version {version} is newer than this gpucr understands ({understood}); \
+         upgrade gpucr; take a new checkpoint"
+    )]
+    RecordVersion {
+        path: PathBuf,
+        version: u32,
+        understood: u32,
+    },
+    #[error(
+        "{path}: the GPU state image of pid {ns_pid} is damaged: {source}; take a new checkpoint"
+    )]
+    ImageDamaged {
+        path: PathBuf,
+        ns_pid: u32,
+        #[source]
+        source: Box<gpu_state::ImageError>,
+    },
 }
 
 type Result<T, E = HookError> = std::result::Result<T, E>;

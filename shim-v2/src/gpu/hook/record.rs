@@ -86,9 +86,10 @@ impl HookRecord {
     pub fn save(&self, image: &Path) -> Result<()> {
         let path = Self::file_path(image);
         let text = serde_json::to_vec_pretty(self).expect("hook record serializes");
-        std::fs::write(&path, text).map_err(|e| HookError::Record {
+        std::fs::write(&path, text).map_err(|source| HookError::RecordIo {
             path,
-            msg: format!("cannot write: {e}"),
+            what: "write",
+            source,
         })
     }
 
@@ -98,25 +99,24 @@ impl HookRecord {
         let text = match std::fs::read(&path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => {
-                return Err(HookError::Record {
+            Err(source) => {
+                return Err(HookError::RecordIo {
                     path,
-                    msg: format!("cannot read: {e}"),
+                    what: "read",
+                    source,
                 })
             }
         };
-        let record: HookRecord = serde_json::from_slice(&text).map_err(|e| HookError::Record {
-            path: path.clone(),
-            msg: format!("damaged: {e}"),
-        })?;
+        let record: HookRecord =
+            serde_json::from_slice(&text).map_err(|source| HookError::RecordDamaged {
+                path: path.clone(),
+                source,
+            })?;
         if record.version > RECORD_VERSION {
-            return Err(HookError::Record {
+            return Err(HookError::RecordVersion {
                 path,
-                msg: format!(
-                    "version {} is newer than this gpucr understands ({RECORD_VERSION}); \
-                     upgrade gpucr",
-                    record.version
-                ),
+                version: record.version,
+                understood: RECORD_VERSION,
             });
         }
         Ok(Some(record))
@@ -130,9 +130,10 @@ impl HookRecord {
             let dir = Self::image_of(image, p.ns_pid);
             gpu_state::image::ImageReader::open(&dir)
                 .and_then(|r| r.verify(threads))
-                .map_err(|e| HookError::Record {
+                .map_err(|source| HookError::ImageDamaged {
                     path: dir.clone(),
-                    msg: format!("the GPU state image of pid {} is damaged: {e}", p.ns_pid),
+                    ns_pid: p.ns_pid,
+                    source: Box::new(source),
                 })?;
         }
         Ok(())
