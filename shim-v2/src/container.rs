@@ -726,7 +726,7 @@ impl Container {
         }
         let pending = self.hook_pending.lock().expect("hook_pending lock").take();
         if let Some(h) = pending {
-            crate::checkpoint::give_back_blocking(h).await?;
+            crate::checkpoint::blocking("hook", move || h.give_back()).await??;
             tracing::info!(id = %self.id, "hook memory given back on resume");
         }
         Ok(())

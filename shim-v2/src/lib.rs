@@ -22,6 +22,7 @@ pub mod oom;
 pub mod options;
 pub mod process;
 pub mod reaper;
+pub mod records;
 pub mod restore_cgroup;
 pub mod runc;
 pub mod service;

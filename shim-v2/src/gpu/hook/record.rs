@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use super::{HookError, Result};
 
 /// The record of the hook's part of a checkpoint, next to `gpucr-gpu.json`.
-pub const RECORD_FILE: &str = "gpucr-hook.json";
+pub const RECORD_FILE: &str = crate::records::HOOK;
 /// The directory of the per-process GPU state images inside a checkpoint image.
-pub const IMAGE_DIR: &str = "gpu-hook";
+pub const IMAGE_DIR: &str = crate::records::HOOK_IMAGES;
 pub(super) const RECORD_VERSION: u32 = 1;
 
 /// What the checkpoint did with one process's hook.
