@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::driver::{round_up, DevicePtr, DriverError, PhysHandle, VmmDriver};
+use crate::driver::{round_up, DevicePtr, PhysHandle, VmmDriver, VmmError};
 
 /// Row alignment of pitch allocations (what `cuMemAllocPitch` returns on current GPUs).
 pub const PITCH_ALIGN: u64 = 512;
@@ -97,7 +97,7 @@ pub enum AllocError {
         expected: AllocState,
     },
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(#[from] VmmError),
 }
 
 /// The table of tracked allocations, keyed by start address.
@@ -310,7 +310,7 @@ impl<D: VmmDriver> Allocator<D> {
     fn back_released(
         &self,
         va: DevicePtr,
-        handle: impl FnOnce(&D, u64) -> Result<PhysHandle, DriverError>,
+        handle: impl FnOnce(&D, u64) -> Result<PhysHandle, VmmError>,
     ) -> Result<(), AllocError> {
         let mut table = self.table();
         let alloc = table.get_mut(va).ok_or(AllocError::NotFound { va })?;
@@ -420,7 +420,7 @@ pub(crate) fn map_accessible<D: VmmDriver>(
     va: DevicePtr,
     size: u64,
     handle: PhysHandle,
-) -> Result<(), DriverError> {
+) -> Result<(), VmmError> {
     if let Err(e) = driver.map(va, size, handle) {
         let _ = driver.release(handle);
         return Err(e);

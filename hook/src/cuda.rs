@@ -27,7 +27,7 @@ use libloading::Library;
 use thiserror::Error;
 
 use crate::driver::{
-    DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver, CUDA_ERROR_NOT_SUPPORTED,
+    DevicePtr, DriverCall, PhysHandle, VmmDriver, VmmError, CUDA_ERROR_NOT_SUPPORTED,
 };
 
 type CuResult = c_int;
@@ -257,7 +257,7 @@ unsafe fn want<T: Copy>(resolve: Resolve<'_>, name: &'static str) -> Option<T> {
 }
 
 impl CudaDriver {
-    fn register_with(&self, ptr: *mut u8, len: usize, flags: c_uint) -> Result<(), DriverError> {
+    fn register_with(&self, ptr: *mut u8, len: usize, flags: c_uint) -> Result<(), VmmError> {
         let call = DriverCall::RegisterHost;
         let f = supported(call, self.register_fns)?;
         self.bind();
@@ -415,7 +415,7 @@ impl CudaDriver {
     }
 
     /// Loads the gh1 module (the driver JIT-compiles the PTX) and finds its kernel.
-    fn load_kernel(&self, h: &HashFns) -> Result<Kernel, DriverError> {
+    fn load_kernel(&self, h: &HashFns) -> Result<Kernel, VmmError> {
         let call = DriverCall::Hash;
         let mut module = std::ptr::null_mut();
         // SAFETY: NUL-terminated PTX text; out-pointer to a local.
@@ -428,15 +428,15 @@ impl CudaDriver {
         if rc != 0 {
             // SAFETY: our module, unused.
             unsafe { (h.unload)(module) };
-            return Err(DriverError { call, code: rc });
+            return Err(VmmError { call, code: rc });
         }
         Ok(Kernel { module, function })
     }
 
     /// Copy stream `index`, made (with those before it) at first use.
-    fn stream(&self, f: &StreamFns, call: DriverCall, index: usize) -> Result<Stream, DriverError> {
+    fn stream(&self, f: &StreamFns, call: DriverCall, index: usize) -> Result<Stream, VmmError> {
         if index >= MAX_STREAMS {
-            return Err(DriverError {
+            return Err(VmmError {
                 call,
                 code: crate::driver::CUDA_ERROR_INVALID_VALUE,
             });
@@ -456,24 +456,24 @@ impl CudaDriver {
 
 /// Optional driver functions `f`, or `CUDA_ERROR_NOT_SUPPORTED` for `call` when this
 /// libcuda lacks them.
-fn supported<T>(call: DriverCall, f: Option<T>) -> Result<T, DriverError> {
-    f.ok_or(DriverError {
+fn supported<T>(call: DriverCall, f: Option<T>) -> Result<T, VmmError> {
+    f.ok_or(VmmError {
         call,
         code: CUDA_ERROR_NOT_SUPPORTED,
     })
 }
 
-fn check(call: DriverCall, rc: CuResult) -> Result<(), DriverError> {
+fn check(call: DriverCall, rc: CuResult) -> Result<(), VmmError> {
     if rc == 0 {
         Ok(())
     } else {
-        Err(DriverError { call, code: rc })
+        Err(VmmError { call, code: rc })
     }
 }
 
 /// A size for the C API; sizes the hook passes always fit in `usize` on 64-bit Linux.
-fn csize(call: DriverCall, size: u64) -> Result<usize, DriverError> {
-    usize::try_from(size).map_err(|_| DriverError {
+fn csize(call: DriverCall, size: u64) -> Result<usize, VmmError> {
+    usize::try_from(size).map_err(|_| VmmError {
         call,
         code: crate::driver::CUDA_ERROR_INVALID_VALUE,
     })
@@ -482,7 +482,7 @@ fn csize(call: DriverCall, size: u64) -> Result<usize, DriverError> {
 // SAFETY (all methods): arguments follow cuda.h's contracts; out-pointers point to
 // live locals; host buffers are valid for their full length.
 impl VmmDriver for CudaDriver {
-    fn granularity(&self) -> Result<u64, DriverError> {
+    fn granularity(&self) -> Result<u64, VmmError> {
         self.bind();
         let mut g = 0usize;
         let prop = self.prop();
@@ -490,7 +490,7 @@ impl VmmDriver for CudaDriver {
         check(DriverCall::Granularity, rc).map(|()| g as u64)
     }
 
-    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError> {
+    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, VmmError> {
         self.bind();
         let call = DriverCall::AddressReserve;
         let mut va: DevicePtr = 0;
@@ -499,7 +499,7 @@ impl VmmDriver for CudaDriver {
         Ok(va)
     }
 
-    fn create(&self, size: u64) -> Result<PhysHandle, DriverError> {
+    fn create(&self, size: u64) -> Result<PhysHandle, VmmError> {
         self.bind();
         let call = DriverCall::Create;
         let size = csize(call, size)?;
@@ -524,7 +524,7 @@ impl VmmDriver for CudaDriver {
         check(call, rc).map(|()| PhysHandle(handle))
     }
 
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::Map;
         check(call, unsafe {
@@ -532,7 +532,7 @@ impl VmmDriver for CudaDriver {
         })
     }
 
-    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::SetAccess;
         let desc = AccessDesc {
@@ -544,36 +544,36 @@ impl VmmDriver for CudaDriver {
         })
     }
 
-    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::Unmap;
         check(call, unsafe { (self.unmap)(va, csize(call, size)?) })
     }
 
-    fn release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+    fn release(&self, handle: PhysHandle) -> Result<(), VmmError> {
         self.bind();
         check(DriverCall::Release, unsafe { (self.release)(handle.0) })
     }
 
-    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::AddressFree;
         check(call, unsafe { (self.address_free)(va, csize(call, size)?) })
     }
 
-    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), VmmError> {
         self.bind();
         let rc = unsafe { (self.dtoh)(dst.as_mut_ptr().cast(), src, dst.len()) };
         check(DriverCall::CopyToHost, rc)
     }
 
-    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), VmmError> {
         self.bind();
         let rc = unsafe { (self.htod)(dst, src.as_ptr().cast(), src.len()) };
         check(DriverCall::CopyFromHost, rc)
     }
 
-    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), VmmError> {
         let call = DriverCall::CopyDevice;
         let dtod = supported(call, self.dtod)?;
         self.bind();
@@ -588,7 +588,7 @@ impl VmmDriver for CudaDriver {
         Some(self.device)
     }
 
-    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+    fn free_memory(&self) -> Result<Option<u64>, VmmError> {
         let Some(f) = self.mem_info else {
             return Ok(None);
         };
@@ -598,17 +598,17 @@ impl VmmDriver for CudaDriver {
         Ok(Some(free as u64))
     }
 
-    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), VmmError> {
         // Flags 0: pinned for this context only, no device mapping needed.
         self.register_with(ptr, len, 0)
     }
 
-    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), DriverError> {
+    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), VmmError> {
         // A PROT_READ mapping cannot be pinned for writing.
         self.register_with(ptr.cast_mut(), len, CU_MEMHOSTREGISTER_READ_ONLY)
     }
 
-    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), VmmError> {
         let call = DriverCall::UnregisterHost;
         let f = supported(call, self.register_fns)?;
         self.bind();
@@ -621,7 +621,7 @@ impl VmmDriver for CudaDriver {
         dst: *mut u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError> {
+    ) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::CopyToHost;
         let Some(f) = self.async_fns else {
@@ -637,7 +637,7 @@ impl VmmDriver for CudaDriver {
         src: *const u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError> {
+    ) -> Result<(), VmmError> {
         self.bind();
         let call = DriverCall::CopyFromHost;
         let Some(f) = self.async_fns else {
@@ -647,7 +647,7 @@ impl VmmDriver for CudaDriver {
         check(call, (f.htod_async)(dst, src.cast(), len, s))
     }
 
-    fn wait(&self, stream: usize) -> Result<(), DriverError> {
+    fn wait(&self, stream: usize) -> Result<(), VmmError> {
         let Some(f) = self.async_fns else {
             return Ok(());
         };
@@ -663,7 +663,7 @@ impl VmmDriver for CudaDriver {
         check(DriverCall::Wait, unsafe { (f.stream_sync)(s) })
     }
 
-    fn synchronize(&self) -> Result<(), DriverError> {
+    fn synchronize(&self) -> Result<(), VmmError> {
         self.bind();
         check(DriverCall::Synchronize, unsafe { (self.sync)() })
     }
@@ -672,7 +672,7 @@ impl VmmDriver for CudaDriver {
         &self,
         regions: &[(DevicePtr, u64)],
         chunk: u64,
-    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, VmmError> {
         let (Some(h), Some(f)) = (self.hash_fns, self.async_fns) else {
             return Ok(None);
         };
@@ -715,7 +715,7 @@ impl VmmDriver for CudaDriver {
             let mut at = 0u64;
             for (&(va, len), &n) in regions.iter().zip(&counts) {
                 if n > 0 {
-                    let blocks = c_uint::try_from(n * segs).map_err(|_| DriverError {
+                    let blocks = c_uint::try_from(n * segs).map_err(|_| VmmError {
                         call,
                         code: crate::driver::CUDA_ERROR_INVALID_VALUE,
                     })?;
@@ -771,7 +771,7 @@ impl VmmDriver for CudaDriver {
         result.map(Some)
     }
 
-    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, VmmError> {
         let Some(f) = self.share_fns else {
             return Ok(None);
         };
@@ -789,7 +789,7 @@ impl VmmDriver for CudaDriver {
         Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
 
-    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, VmmError> {
         let call = DriverCall::Import;
         let f = supported(call, self.share_fns)?;
         self.bind();

@@ -50,7 +50,7 @@ pub enum DriverCall {
 /// A failed driver call: which call and the driver's result code (`CUresult`).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[error("CUDA driver call {call:?} failed with code {code}")]
-pub struct DriverError {
+pub struct VmmError {
     pub call: DriverCall,
     pub code: i32,
 }
@@ -66,38 +66,38 @@ pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 /// `set_access` and `free_va` are multiples of [`granularity`](Self::granularity).
 pub trait VmmDriver: Send + Sync {
     /// The allocation granularity of the current device (`cuMemGetAllocationGranularity`).
-    fn granularity(&self) -> Result<u64, DriverError>;
+    fn granularity(&self) -> Result<u64, VmmError>;
     /// Reserves a virtual address range (`cuMemAddressReserve`); `fixed` asks for that
     /// exact address (a hint to the real driver, honoured or refused by the fake).
-    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError>;
+    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, VmmError>;
     /// Creates physical memory of `size` bytes on the current device (`cuMemCreate`).
-    fn create(&self, size: u64) -> Result<PhysHandle, DriverError>;
+    fn create(&self, size: u64) -> Result<PhysHandle, VmmError>;
     /// Maps `handle` at `va` (`cuMemMap`).
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), VmmError>;
     /// Grants the current device read/write access (`cuMemSetAccess`).
-    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), VmmError>;
     /// Unmaps a mapped range (`cuMemUnmap`).
-    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), VmmError>;
     /// Releases physical memory (`cuMemRelease`).
-    fn release(&self, handle: PhysHandle) -> Result<(), DriverError>;
+    fn release(&self, handle: PhysHandle) -> Result<(), VmmError>;
     /// Frees a virtual address reservation (`cuMemAddressFree`).
-    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError>;
+    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), VmmError>;
     /// Copies `dst.len()` bytes from device address `src` (`cuMemcpyDtoH`).
-    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError>;
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), VmmError>;
     /// Copies `src` to device address `dst` (`cuMemcpyHtoD`).
-    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError>;
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), VmmError>;
     /// Waits for all work on the device (`cuCtxSynchronize`).
-    fn synchronize(&self) -> Result<(), DriverError>;
+    fn synchronize(&self) -> Result<(), VmmError>;
     /// Pins `len` bytes of host memory at `ptr` for DMA (`cuMemHostRegister_v2`).
-    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError>;
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), VmmError>;
     /// Pins `len` bytes of read-only host memory (e.g. a `PROT_READ` mapping of an image
     /// file) as a source of host-to-device copies (`cuMemHostRegister_v2` with
     /// `CU_MEMHOSTREGISTER_READ_ONLY`); undone by [`unregister_host`](Self::unregister_host).
-    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), DriverError> {
+    fn register_host_read_only(&self, ptr: *const u8, len: usize) -> Result<(), VmmError> {
         self.register_host(ptr.cast_mut(), len)
     }
     /// Unpins memory registered at `ptr` (`cuMemHostUnregister`).
-    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError>;
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), VmmError>;
     /// Starts copying `len` bytes from device address `src` to host memory at `dst` on
     /// copy stream `stream` (`cuMemcpyDtoHAsync_v2`); copies on one stream run in order.
     ///
@@ -110,7 +110,7 @@ pub trait VmmDriver: Send + Sync {
         dst: *mut u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError>;
+    ) -> Result<(), VmmError>;
     /// Starts copying `len` bytes from host memory at `src` to device address `dst` on
     /// copy stream `stream` (`cuMemcpyHtoDAsync_v2`).
     ///
@@ -123,10 +123,10 @@ pub trait VmmDriver: Send + Sync {
         src: *const u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError>;
+    ) -> Result<(), VmmError>;
     /// Waits for every copy issued on `stream` (`cuStreamSynchronize`). When it returns,
     /// also with an error, none of them touches host memory any more.
-    fn wait(&self, stream: usize) -> Result<(), DriverError>;
+    fn wait(&self, stream: usize) -> Result<(), VmmError>;
     /// gh1 sums ([`gpu_state::image::gpuhash`]) of every `chunk`-byte piece of each region
     /// `(va, len)`, in order (a region's last piece may be shorter), computed on the
     /// device before anything is copied. `Ok(None)`: this driver cannot (the copy-out then
@@ -135,7 +135,7 @@ pub trait VmmDriver: Send + Sync {
         &self,
         regions: &[(DevicePtr, u64)],
         chunk: u64,
-    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, VmmError> {
         let _ = (regions, chunk);
         Ok(None)
     }
@@ -147,16 +147,16 @@ pub trait VmmDriver: Send + Sync {
     /// alive after this process releases its handle: the shim holds it across the
     /// driver's checkpoint of a leave-running checkpoint, and [`import`](Self::import)
     /// brings it back without a copy. `Ok(None)`: this driver cannot export.
-    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, VmmError> {
         let _ = handle;
         Ok(None)
     }
     /// Copies `len` bytes from device address `src` to device address `dst` and returns
     /// when the copy is done (`cuMemcpyDtoD_v2`, which alone does not wait, then
     /// `cuCtxSynchronize`).
-    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), VmmError> {
         let _ = (dst, src, len);
-        Err(DriverError {
+        Err(VmmError {
             call: DriverCall::CopyDevice,
             code: CUDA_ERROR_NOT_SUPPORTED,
         })
@@ -168,14 +168,14 @@ pub trait VmmDriver: Send + Sync {
     }
     /// Bytes of device memory free now (`cuMemGetInfo_v2`); `None` when the driver
     /// cannot say.
-    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+    fn free_memory(&self) -> Result<Option<u64>, VmmError> {
         Ok(None)
     }
     /// A handle to memory exported by [`export`](Self::export), possibly by an earlier
     /// life of this process (`cuMemImportFromShareableHandle`).
-    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, VmmError> {
         let _ = fd;
-        Err(DriverError {
+        Err(VmmError {
             call: DriverCall::Import,
             code: CUDA_ERROR_NOT_SUPPORTED,
         })

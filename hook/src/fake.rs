@@ -26,8 +26,8 @@ use std::sync::{Mutex, MutexGuard};
 use gpu_state::image::gpuhash::{self, ChunkSums};
 
 use crate::driver::{
-    fd_identity, DevicePtr, DriverCall, DriverError, PhysHandle, VmmDriver,
-    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY,
+    fd_identity, DevicePtr, DriverCall, PhysHandle, VmmDriver, VmmError, CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_OUT_OF_MEMORY,
 };
 
 /// Where the fake's address space starts (like the driver's, above user mappings).
@@ -219,7 +219,7 @@ impl FakeDriver {
     }
 
     /// Checks and queues an async copy.
-    fn issue(&self, call: DriverCall, p: Pending) -> Result<(), DriverError> {
+    fn issue(&self, call: DriverCall, p: Pending) -> Result<(), VmmError> {
         let mut s = self.lock();
         Self::check(&mut s, call)?;
         if p.host == 0 || p.len == 0 {
@@ -238,7 +238,7 @@ impl FakeDriver {
         Ok(())
     }
 
-    fn check(state: &mut State, call: DriverCall) -> Result<(), DriverError> {
+    fn check(state: &mut State, call: DriverCall) -> Result<(), VmmError> {
         let Some(i) = state.fail_next.iter().position(|(c, _)| *c == call) else {
             return Ok(());
         };
@@ -250,7 +250,7 @@ impl FakeDriver {
         Ok(())
     }
 
-    fn check_aligned(&self, call: DriverCall, values: &[u64]) -> Result<(), DriverError> {
+    fn check_aligned(&self, call: DriverCall, values: &[u64]) -> Result<(), VmmError> {
         if values.iter().any(|v| v % self.granularity != 0) {
             return Err(invalid(call));
         }
@@ -263,7 +263,7 @@ impl FakeDriver {
         call: DriverCall,
         va: DevicePtr,
         len: u64,
-    ) -> Result<(PhysHandle, usize), DriverError> {
+    ) -> Result<(PhysHandle, usize), VmmError> {
         let (start, m) = state
             .mappings
             .range(..=va)
@@ -277,8 +277,8 @@ impl FakeDriver {
     }
 }
 
-fn invalid(call: DriverCall) -> DriverError {
-    DriverError {
+fn invalid(call: DriverCall) -> VmmError {
+    VmmError {
         call,
         code: CUDA_ERROR_INVALID_VALUE,
     }
@@ -295,12 +295,12 @@ impl VmmDriver for FakeDriver {
         self.lock().device_ordinal
     }
 
-    fn granularity(&self) -> Result<u64, DriverError> {
+    fn granularity(&self) -> Result<u64, VmmError> {
         Self::check(&mut self.lock(), DriverCall::Granularity)?;
         Ok(self.granularity)
     }
 
-    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, DriverError> {
+    fn reserve(&self, size: u64, fixed: Option<DevicePtr>) -> Result<DevicePtr, VmmError> {
         let call = DriverCall::AddressReserve;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -318,14 +318,14 @@ impl VmmDriver for FakeDriver {
         Ok(va)
     }
 
-    fn create(&self, size: u64) -> Result<PhysHandle, DriverError> {
+    fn create(&self, size: u64) -> Result<PhysHandle, VmmError> {
         let call = DriverCall::Create;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
         self.check_aligned(call, &[size])?;
         let used = s.used();
         if size == 0 || used + size > self.capacity {
-            return Err(DriverError {
+            return Err(VmmError {
                 call,
                 code: CUDA_ERROR_OUT_OF_MEMORY,
             });
@@ -337,7 +337,7 @@ impl VmmDriver for FakeDriver {
         Ok(handle)
     }
 
-    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+    fn map(&self, va: DevicePtr, size: u64, handle: PhysHandle) -> Result<(), VmmError> {
         let call = DriverCall::Map;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -366,7 +366,7 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn set_access(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         let call = DriverCall::SetAccess;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -379,7 +379,7 @@ impl VmmDriver for FakeDriver {
         }
     }
 
-    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn unmap(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         let call = DriverCall::Unmap;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -392,7 +392,7 @@ impl VmmDriver for FakeDriver {
         }
     }
 
-    fn release(&self, handle: PhysHandle) -> Result<(), DriverError> {
+    fn release(&self, handle: PhysHandle) -> Result<(), VmmError> {
         let call = DriverCall::Release;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -408,7 +408,7 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), DriverError> {
+    fn free_va(&self, va: DevicePtr, size: u64) -> Result<(), VmmError> {
         let call = DriverCall::AddressFree;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -420,7 +420,7 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), DriverError> {
+    fn copy_to_host(&self, src: DevicePtr, dst: &mut [u8]) -> Result<(), VmmError> {
         let call = DriverCall::CopyToHost;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -430,7 +430,7 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), DriverError> {
+    fn copy_device(&self, dst: DevicePtr, src: DevicePtr, len: u64) -> Result<(), VmmError> {
         let call = DriverCall::CopyDevice;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -442,13 +442,13 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn free_memory(&self) -> Result<Option<u64>, DriverError> {
+    fn free_memory(&self) -> Result<Option<u64>, VmmError> {
         let mut s = self.lock();
         Self::check(&mut s, DriverCall::MemInfo)?;
         Ok(Some(self.capacity.saturating_sub(s.used())))
     }
 
-    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), DriverError> {
+    fn copy_from_host(&self, dst: DevicePtr, src: &[u8]) -> Result<(), VmmError> {
         let call = DriverCall::CopyFromHost;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -458,11 +458,11 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn synchronize(&self) -> Result<(), DriverError> {
+    fn synchronize(&self) -> Result<(), VmmError> {
         Self::check(&mut self.lock(), DriverCall::Synchronize)
     }
 
-    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), DriverError> {
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<(), VmmError> {
         let call = DriverCall::RegisterHost;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -477,7 +477,7 @@ impl VmmDriver for FakeDriver {
         Ok(())
     }
 
-    fn unregister_host(&self, ptr: *mut u8) -> Result<(), DriverError> {
+    fn unregister_host(&self, ptr: *mut u8) -> Result<(), VmmError> {
         let call = DriverCall::UnregisterHost;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -501,7 +501,7 @@ impl VmmDriver for FakeDriver {
         dst: *mut u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError> {
+    ) -> Result<(), VmmError> {
         let p = Pending {
             stream,
             to_host: true,
@@ -518,7 +518,7 @@ impl VmmDriver for FakeDriver {
         src: *const u8,
         len: usize,
         stream: usize,
-    ) -> Result<(), DriverError> {
+    ) -> Result<(), VmmError> {
         let p = Pending {
             stream,
             to_host: false,
@@ -533,7 +533,7 @@ impl VmmDriver for FakeDriver {
         &self,
         regions: &[(DevicePtr, u64)],
         chunk: u64,
-    ) -> Result<Option<Vec<Vec<ChunkSums>>>, DriverError> {
+    ) -> Result<Option<Vec<Vec<ChunkSums>>>, VmmError> {
         let call = DriverCall::Hash;
         let mut s = self.lock();
         if !s.device_hash {
@@ -557,7 +557,7 @@ impl VmmDriver for FakeDriver {
         Ok(Some(out))
     }
 
-    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, DriverError> {
+    fn export(&self, handle: PhysHandle) -> Result<Option<OwnedFd>, VmmError> {
         let call = DriverCall::Export;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -577,7 +577,7 @@ impl VmmDriver for FakeDriver {
         Ok(Some(fd))
     }
 
-    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, DriverError> {
+    fn import(&self, fd: BorrowedFd<'_>) -> Result<PhysHandle, VmmError> {
         let call = DriverCall::Import;
         let mut s = self.lock();
         Self::check(&mut s, call)?;
@@ -598,7 +598,7 @@ impl VmmDriver for FakeDriver {
         Ok(handle)
     }
 
-    fn wait(&self, stream: usize) -> Result<(), DriverError> {
+    fn wait(&self, stream: usize) -> Result<(), VmmError> {
         let mut s = self.lock();
         let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut s.pending)
             .into_iter()

@@ -26,7 +26,7 @@ pub const ENV_DISABLE: &str = "GPUCR_HOOK_DISABLE";
 
 /// Hook errors.
 #[derive(Debug, Error)]
-pub enum HookError {
+pub enum HookSetupError {
     #[error(transparent)]
     Alloc(#[from] AllocError),
     #[error(transparent)]
@@ -68,7 +68,7 @@ pub struct Hook<D: VmmDriver> {
 }
 
 impl<D: VmmDriver + 'static> Hook<D> {
-    pub fn new(driver: Arc<D>, opts: FastPathOptions) -> Result<Hook<D>, HookError> {
+    pub fn new(driver: Arc<D>, opts: FastPathOptions) -> Result<Hook<D>, HookSetupError> {
         let allocator = Arc::new(Allocator::new(driver)?);
         let gate = Arc::new(Gate::new());
         let fast = FastPath::new(allocator.clone(), gate.clone(), opts);
@@ -81,12 +81,12 @@ impl<D: VmmDriver + 'static> Hook<D> {
 
     /// Binds `<socket_dir>/hook-<pid>.sock` and serves it on a background thread;
     /// returns the socket's path.
-    pub fn serve(&self, socket_dir: &Path) -> Result<PathBuf, HookError> {
+    pub fn serve(&self, socket_dir: &Path) -> Result<PathBuf, HookSetupError> {
         let path = socket_path(socket_dir, std::process::id());
         let server = ControlServer::bind(&path)?;
         server
             .spawn(self.controller.clone())
-            .map_err(HookError::Thread)?;
+            .map_err(HookSetupError::Thread)?;
         tracing::info!(socket = %path.display(), "gpucr hook serving");
         Ok(path)
     }

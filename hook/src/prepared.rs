@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use gpu_state::image::{AllocId, DirectRegion, ImageWriter};
 
-use crate::driver::{DevicePtr, DriverError, VmmDriver};
+use crate::driver::{DevicePtr, VmmDriver, VmmError};
 
 /// Most threads registering windows at once.
 const REGISTER_THREADS: usize = 8;
@@ -48,7 +48,7 @@ impl Target {
 }
 
 /// A window (address, length) and how its registration went.
-type Registration = ((usize, usize), Result<(), DriverError>);
+type Registration = ((usize, usize), Result<(), VmmError>);
 
 /// Host memory registered for DMA, window by window; unregistered when dropped.
 pub(crate) struct Registered<D: VmmDriver> {
@@ -64,7 +64,7 @@ impl<D: VmmDriver> Registered<D> {
         base: *mut u8,
         len: usize,
         window: usize,
-    ) -> Result<Self, DriverError> {
+    ) -> Result<Self, VmmError> {
         let window = window.max(PAGE).next_multiple_of(PAGE);
         let spans: Vec<(usize, usize)> = (0..len.div_ceil(window))
             .map(|k| (base as usize + k * window, window.min(len - k * window)))
@@ -104,7 +104,7 @@ impl<D: VmmDriver> Registered<D> {
             // `done` unregisters what was registered.
             Some(e) => Err(e),
             None if done.windows.len() == spans.len() => Ok(done),
-            None => Err(DriverError {
+            None => Err(VmmError {
                 call: crate::driver::DriverCall::RegisterHost,
                 code: crate::driver::CUDA_ERROR_INVALID_VALUE,
             }),

@@ -15,7 +15,7 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 use thiserror::Error;
 
 use crate::alloc::{map_accessible, Allocation};
-use crate::driver::{DevicePtr, DriverError, PhysHandle, VmmDriver};
+use crate::driver::{DevicePtr, PhysHandle, VmmDriver, VmmError};
 
 /// Why no snapshot was taken (nothing changed: the caller copies out while frozen).
 #[derive(Debug, Error)]
@@ -28,7 +28,7 @@ pub enum SnapshotError {
     #[error("no device memory to snapshot")]
     Empty,
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(#[from] VmmError),
 }
 
 /// One allocation's place in the snapshot.
@@ -95,7 +95,7 @@ impl Snapshot {
         Ok(snap)
     }
 
-    fn fill<D: VmmDriver>(&mut self, driver: &D) -> Result<(), DriverError> {
+    fn fill<D: VmmDriver>(&mut self, driver: &D) -> Result<(), VmmError> {
         self.map(driver, driver.create(self.size)?)?;
         for p in &self.parts {
             driver.copy_device(self.va + p.offset, p.alloc.va, p.alloc.size)?;
@@ -104,7 +104,7 @@ impl Snapshot {
     }
 
     /// Maps `handle` accessible over the region; on failure `handle` is released.
-    fn map<D: VmmDriver>(&mut self, driver: &D, handle: PhysHandle) -> Result<(), DriverError> {
+    fn map<D: VmmDriver>(&mut self, driver: &D, handle: PhysHandle) -> Result<(), VmmError> {
         map_accessible(driver, self.va, self.size, handle)?;
         self.handle = Some(handle);
         Ok(())
@@ -133,7 +133,7 @@ impl Snapshot {
     }
 
     /// The region's memory as an fd (`None`: released, or the driver cannot export).
-    pub fn export<D: VmmDriver>(&self, driver: &D) -> Result<Option<OwnedFd>, DriverError> {
+    pub fn export<D: VmmDriver>(&self, driver: &D) -> Result<Option<OwnedFd>, VmmError> {
         match self.handle {
             Some(h) => driver.export(h),
             None => Ok(None),
@@ -142,7 +142,7 @@ impl Snapshot {
 
     /// Unmaps and releases the region's memory; the VA stays reserved. Whoever holds
     /// its exported fd keeps the contents.
-    pub fn release<D: VmmDriver>(&mut self, driver: &D) -> Result<(), DriverError> {
+    pub fn release<D: VmmDriver>(&mut self, driver: &D) -> Result<(), VmmError> {
         if let Some(h) = self.handle {
             driver.unmap(self.va, self.size)?;
             self.handle = None;
@@ -156,7 +156,7 @@ impl Snapshot {
         &mut self,
         driver: &D,
         fd: BorrowedFd<'_>,
-    ) -> Result<(), DriverError> {
+    ) -> Result<(), VmmError> {
         if self.handle.is_some() {
             return Ok(());
         }

@@ -3,7 +3,7 @@
 //! Every checkpoint ends by writing `gpucr-checkpoint.json` (see `manifest`): every file of
 //! the image with its size and chunk hashes, which a restore checks before anything changes.
 //!
-//! With the hook (see `gpu_hook`), its processes move their device memory first:
+//! With the hook (see `gpu::hook`), its processes move their device memory first:
 //! hook copy-out → driver lock + checkpoint → dump → driver restore + unlock → hook give-back.
 //! A leave-running checkpoint of a running task snapshots the memory on the device instead
 //! of copying it out: the image is written after the give-back, while the task runs, and
@@ -17,13 +17,17 @@ use std::{
 use crate::{
     container::Container,
     error::{Error, IoContext, Result, TaskLeft},
-    failpoint, gpu,
-    gpu_hook::{self, HookCheckpoint, HookRecord},
-    hook_spec, host, layout, manifest,
+    failpoint,
+    gpu::{
+        driver as gpu,
+        hook::{self as gpu_hook, spec as hook_spec, HookCheckpoint, HookRecord},
+        host,
+    },
+    layout, manifest,
     options::CheckpointRequest,
     process::{
         init::InitProcess,
-        state::{InitState, Verb},
+        state::{InitState, TaskVerb},
     },
     runc::CheckpointOpts,
 };
@@ -45,12 +49,109 @@ pub fn criu_first_error(log: &Path) -> Option<String> {
         .map(|l| l.trim().to_string())
 }
 
-/// Gives the hook's processes their memory back (a blocking worker).
-pub(crate) async fn give_back_blocking(h: HookCheckpoint) -> Result<()> {
-    tokio::task::spawn_blocking(move || h.give_back())
+/// What a checkpoint holds of the task between the hook's copy-out and the records: the
+/// processes whose memory the hook moved, the CUDA processes the driver locked, and a
+/// paused task thawed for CRIU's CUDA plugin. Every failure gives it all back
+/// ([`Held::undo`]); a finished dump releases it to the task ([`Held::release`]).
+#[derive(Default)]
+struct Held {
+    hooked: Option<HookCheckpoint>,
+    quiesced: Option<gpu::Quiesced>,
+    /// Paused by the client, thawed for CRIU's plugin: paused again after the dump.
+    thawed: bool,
+}
+
+impl Held {
+    /// The host pids the shim quiesced itself (driver path and hook), for CRIU's plugin.
+    fn quiesced_pids(&self) -> Vec<u32> {
+        let mut pids = self
+            .quiesced
+            .as_ref()
+            .map(gpu::Quiesced::pids)
+            .unwrap_or_default();
+        pids.extend(
+            self.hooked
+                .as_ref()
+                .map(HookCheckpoint::moved_pids)
+                .unwrap_or_default(),
+        );
+        pids
+    }
+
+    /// After the dump: a task thawed for the plugin is paused again when it lives on
+    /// (`lives`: the dump failed or left it running).
+    async fn repause(&mut self, c: &Container, lives: bool) {
+        if std::mem::take(&mut self.thawed) && lives {
+            if let Err(e) = c.runc.pause(&c.id).await {
+                tracing::error!(id = %c.id, "re-pausing after the plugin's checkpoint: {e}");
+            }
+        }
+    }
+
+    /// Writes `gpucr-gpu.json` after the dump (the locked processes stay held).
+    async fn record_gpu(&mut self, image: &Path) -> Result<()> {
+        let Some(q) = self.quiesced.take() else {
+            return Ok(());
+        };
+        let (q, recorded) = q.record(image.to_path_buf()).await;
+        self.quiesced = Some(q);
+        recorded
+    }
+
+    /// A failed checkpoint: the GPU back to the task (driver restore and unlock; a paused
+    /// task's unlock waits for Resume), then the hook's memory, snapshots dropped. Returns
+    /// what could not be given back.
+    async fn undo(mut self, c: &Container, state: InitState) -> Vec<Error> {
+        self.repause(c, true).await;
+        let mut failed = Vec::new();
+        if let Some(q) = self.quiesced {
+            failed.extend(c.resume_gpu(q, state).await.err());
+        }
+        if let Some(h) = self.hooked {
+            failed.extend(c.hook_give_back(h, state, false).await.1.err());
+        }
+        failed
+    }
+
+    /// A finished dump: what the task lives on with (unless CRIU killed it, `exit`) is
+    /// given back before the records, a snapshot's image written while the task runs.
+    /// Returns the hook's record for the image (`Some(None)`: a process's memory is not
+    /// in it; `None`: no hook) and whether everything came back.
+    async fn release(
+        self,
+        c: &Container,
+        state: InitState,
+        exit: bool,
+    ) -> (Option<Option<HookRecord>>, Result<()>) {
+        let mut resumed = match self.quiesced {
+            Some(q) if !exit => c.resume_gpu(q, state).await,
+            _ => Ok(()),
+        };
+        let record = match self.hooked {
+            Some(h) if !exit => {
+                let (record, given) = c.hook_give_back(h, state, true).await;
+                resumed = resumed.and(given);
+                Some(record)
+            }
+            // CRIU killed the task: nothing to give back to.
+            Some(h) => Some(Some(h.record())),
+            // The hook is in the container but CRIU's plugin moved the GPU: the record
+            // still says so, for the restore's mounts.
+            None if c.hook => Some(Some(HookRecord::injected_only())),
+            None => None,
+        };
+        (record, resumed)
+    }
+}
+
+/// Runs `f` on a blocking thread (`what`: whose worker, for a panic's error).
+pub(crate) async fn blocking<T: Send + 'static>(
+    what: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?
-        .map_err(Error::from)
+        .map_err(gpu::GpuError::panicked(what))
 }
 
 impl Container {
@@ -125,7 +226,7 @@ impl Container {
         request: Option<Duration>,
     ) -> Result<()> {
         let mut init = self.init.lock().await;
-        init.state.next(Verb::Checkpoint)?;
+        init.state.next(TaskVerb::Checkpoint)?;
         failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_FREEZE).await?;
         let work = self.work_dir(req);
         if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
@@ -146,40 +247,18 @@ impl Container {
             empty_ns: req.empty_namespaces.clone(),
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
-        // The hook first: the driver's lock would block the hook's own CUDA calls. A
-        // paused task must not run before its dump, and its give-back may wait for
-        // Resume: no Prepare, no snapshot to write then.
-        let running = init.state != InitState::Paused;
-        let hooked = self
-            .hook_copy_out(init.state, image, !req.exit, running)
-            .await?;
-        let quiesced = async {
-            failpoint::hit(&self.id, failpoint::CHECKPOINT_AFTER_COPY_OUT).await?;
-            self.quiesce_gpu(init.state).await
-        };
-        let quiesced = match quiesced.await {
-            Ok(q) => q,
-            Err(e) => {
-                if let Err(h) = self.hook_give_back(hooked, init.state).await {
-                    tracing::error!(id = %self.id, "after a failed GPU quiesce: {h}");
+        let mut held = match self.hold(init.state, image, !req.exit).await {
+            Ok(held) => held,
+            Err((held, e)) => {
+                for undone in held.undo(self, init.state).await {
+                    tracing::error!(id = %self.id, "after a failed GPU quiesce: {undone}");
                 }
                 return Err(e);
             }
         };
-        let thawed = self.thaw_for_plugin(init.state).await?;
         // CRIU's CUDA plugin (loaded whenever it is installed) leaves alone what the shim
         // quiesced: the driver path's processes and the hook's.
-        let mut quiesced_pids = quiesced
-            .as_ref()
-            .map(gpu::Quiesced::pids)
-            .unwrap_or_default();
-        quiesced_pids.extend(
-            hooked
-                .as_ref()
-                .map(HookCheckpoint::moved_pids)
-                .unwrap_or_default(),
-        );
-        let marker = gpu::shim_quiesced_value(&quiesced_pids);
+        let marker = gpu::shim_quiesced_value(&held.quiesced_pids());
         let env: Vec<(&str, &str)> = match self.gpu.quiescer {
             gpu::Quiescer::Shim => vec![(gpu::SHIM_QUIESCED_ENV, marker.as_str())],
             gpu::Quiescer::CriuPlugin => Vec::new(),
@@ -202,11 +281,7 @@ impl Container {
             }
             Err(e) => Err(e),
         };
-        if thawed && (dumped.is_err() || !req.exit) {
-            if let Err(e) = self.runc.pause(&self.id).await {
-                tracing::error!(id = %self.id, "re-pausing after the plugin's checkpoint: {e}");
-            }
-        }
+        held.repause(self, dumped.is_err() || !req.exit).await;
         if let Err(e) = dumped {
             let log = work.join("dump.log");
             let kept = self.bundle.join("criu-dump.log");
@@ -227,13 +302,8 @@ impl Container {
             };
             // Thaw first: the driver's restore runs a thread inside the process.
             let left = self.settle_after_failed_dump(&mut init).await;
-            if let Some(q) = quiesced {
-                if let Err(g) = self.resume_gpu(q, init.state).await {
-                    msg = format!("{msg}; and then {g}");
-                }
-            }
-            if let Err(h) = self.hook_give_back(hooked, init.state).await {
-                msg = format!("{msg}; and then {h}");
+            for undone in held.undo(self, init.state).await {
+                msg = format!("{msg}; and then {undone}");
             }
             tracing::error!(id = %self.id, "checkpoint failed: {msg}");
             return Err(Error::Checkpoint {
@@ -244,43 +314,17 @@ impl Container {
             });
         }
         let dump_ms = started.elapsed().as_millis() as u64;
-        let quiesced = match quiesced {
-            Some(q) => {
-                let (q, recorded) = q.record(image.to_path_buf()).await;
-                if let Err(e) = recorded {
-                    if !req.exit {
-                        if let Err(g) = self.resume_gpu(q, init.state).await {
-                            tracing::error!(id = %self.id, "after a failed GPU record: {g}");
-                        }
-                        if let Err(h) = self.hook_give_back(hooked, init.state).await {
-                            tracing::error!(id = %self.id, "after a failed GPU record: {h}");
-                        }
-                    }
-                    return Err(e);
+        if let Err(e) = held.record_gpu(image).await {
+            if !req.exit {
+                for undone in held.undo(self, init.state).await {
+                    tracing::error!(id = %self.id, "after a failed GPU record: {undone}");
                 }
-                Some(q)
             }
-            None => None,
-        };
+            return Err(e);
+        }
         // The task lives on (leave-running): its GPU must too, before the records and
         // the manifest are written (and a snapshot's image: while the task runs).
-        let mut resumed = match quiesced {
-            Some(q) if !req.exit => self.resume_gpu(q, init.state).await,
-            _ => Ok(()),
-        };
-        let hook_record = match hooked {
-            // With `exit` CRIU killed the task: nothing to give back to.
-            Some(h) if !req.exit => {
-                let (record, given) = self.hook_give_back_and_write(h, init.state).await;
-                resumed = resumed.and(given);
-                Some(record)
-            }
-            Some(h) => Some(Some(h.record())),
-            // The hook is in the container but CRIU's plugin moved the GPU: the record
-            // still says so, for the restore's mounts.
-            None if self.hook => Some(Some(HookRecord::injected_only())),
-            None => None,
-        };
+        let (hook_record, resumed) = held.release(self, init.state, req.exit).await;
         // Whether the hook was there, and what it moved (timings, bytes, fallbacks).
         if let Some(record) = hook_record {
             let Some(record) = record else {
@@ -326,6 +370,63 @@ impl Container {
         written.and(resumed)
     }
 
+    /// Quiesces the GPU before the dump: the hook's copy-out first (the driver's lock would
+    /// block the hook's own CUDA calls), then the driver's lock and checkpoint, or a paused
+    /// task thawed for CRIU's CUDA plugin. A paused task must not run before its dump, and
+    /// its give-back may wait for Resume: no Prepare, no snapshot then. On failure, what is
+    /// held so far comes back with the error, to be undone.
+    async fn hold(
+        &self,
+        state: InitState,
+        image: &Path,
+        keep: bool,
+    ) -> std::result::Result<Held, (Held, Error)> {
+        let mut held = Held::default();
+        let running = state != InitState::Paused;
+        held.hooked = match self.hook_copy_out(state, image, keep, running).await {
+            Ok(h) => h,
+            Err(e) => return Err((held, e)),
+        };
+        let quiesced = async {
+            failpoint::hit(&self.id, failpoint::CHECKPOINT_AFTER_COPY_OUT).await?;
+            self.quiesce_gpu(state).await
+        };
+        held.quiesced = match quiesced.await {
+            Ok(q) => q,
+            Err(e) => return Err((held, e)),
+        };
+        held.thawed = match self.thaw_for_plugin(state).await {
+            Ok(thawed) => thawed,
+            Err(e) => return Err((held, e)),
+        };
+        Ok(held)
+    }
+
+    /// Runs `work` with a task the client paused thawed for it (the driver's lock and the
+    /// hook's control thread run inside the process), and pauses it again after. A thaw
+    /// that fails fails the work, unless `anyway` (giving memory back must not wait on it).
+    async fn with_thawed<T>(
+        &self,
+        state: InitState,
+        what: &str,
+        anyway: bool,
+        work: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        if state != InitState::Paused {
+            return work.await;
+        }
+        match self.runc.resume(&self.id).await {
+            Ok(()) => {}
+            Err(e) if anyway => tracing::error!(id = %self.id, "thawing for {what}: {e}"),
+            Err(e) => return Err(e),
+        }
+        let res = work.await;
+        if let Err(e) = self.runc.pause(&self.id).await {
+            tracing::error!(id = %self.id, "re-pausing after {what}: {e}");
+        }
+        res
+    }
+
     /// Restores and unlocks the CUDA processes `q` of a task that lives on. A paused task is
     /// thawed for it and paused again, as for the lock: the driver works on a thread inside
     /// the process.
@@ -338,14 +439,9 @@ impl Container {
         if state != InitState::Paused {
             return q.resume().await;
         }
-        if let Err(e) = self.runc.resume(&self.id).await {
-            tracing::error!(id = %self.id, "thawing for the GPU restore: {e}");
-        }
-        let res = q.restore_memory().await;
-        if let Err(e) = self.runc.pause(&self.id).await {
-            tracing::error!(id = %self.id, "re-pausing after the GPU restore: {e}");
-        }
-        let locked = res?;
+        let locked = self
+            .with_thawed(state, "the GPU restore", true, q.restore_memory())
+            .await?;
         *self.gpu_locked.lock().expect("gpu_locked lock") = Some(locked);
         Ok(())
     }
@@ -365,80 +461,63 @@ impl Container {
         }
         let pids = gpu::nvidia_pids(&self.runc.ps(&self.id).await?);
         let sockets = hook_spec::socket_dir(&self.bundle);
-        let paused = state == InitState::Paused;
-        if paused {
-            self.runc.resume(&self.id).await?;
-        }
         let (id, image) = (self.id.clone(), image.to_path_buf());
-        let res = tokio::task::spawn_blocking(move || {
+        let copied = blocking("hook", move || {
             let processes = gpu_hook::find(&sockets, &pids);
             gpu_hook::copy_out(&id, &processes, &image, keep, running)
-        })
-        .await;
-        if paused {
-            if let Err(e) = self.runc.pause(&self.id).await {
-                tracing::error!(id = %self.id, "re-pausing after the hook's copy-out: {e}");
-            }
-        }
-        let res = res.map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?;
-        res.map(Some).map_err(|e| Error::Checkpoint {
+        });
+        let copied = self
+            .with_thawed(state, "the hook's copy-out", false, copied)
+            .await?;
+        copied.map(Some).map_err(|e| Error::CheckpointStep {
             id: self.id.clone(),
-            msg: e.to_string(),
+            source: Box::new(e),
             left: TaskLeft::from(state),
-            log: None,
         })
     }
 
-    /// The success path's give-back: every process gets its memory back, then the
-    /// snapshots are written into the image (a task that is not paused; see
-    /// [`Container::hook_give_back`] for one that is). Returns the hook's record for the
-    /// image, `None` when a process's memory is not in the image (a snapshot unwritten).
-    async fn hook_give_back_and_write(
+    /// Gives the hook's processes their memory back (after the driver's unlock), with the
+    /// snapshots written into the image (`write`, a task that is not paused) or dropped. A
+    /// task the client paused is thawed for it, unless the driver keeps it LOCKED until
+    /// Resume: then Resume gives the memory back, after the unlock. Returns the hook's
+    /// record for the image, `None` when a process's memory is not in it (a snapshot
+    /// unwritten).
+    async fn hook_give_back(
         &self,
         mut h: HookCheckpoint,
         state: InitState,
+        write: bool,
     ) -> (Option<HookRecord>, Result<()>) {
-        if state == InitState::Paused || h.moved_pids().is_empty() {
-            // No snapshot (see `checkpoint`): the images are complete already.
-            let record = h.record();
-            return (Some(record), self.hook_give_back(Some(h), state).await);
+        if h.moved_pids().is_empty() {
+            return (Some(h.record()), Ok(()));
         }
-        let res = tokio::task::spawn_blocking(move || {
-            let given = h.give_back_and_write();
-            (h.images_complete().then(|| h.record()), given)
-        })
-        .await;
-        match res {
-            Ok((record, given)) => (record, given.map_err(Error::from)),
-            Err(e) => (None, Err(Error::Gpu(format!("hook worker panicked: {e}")))),
+        if write && state != InitState::Paused {
+            let given = blocking("hook", move || {
+                let given = h.give_back_and_write();
+                (h.images_complete().then(|| h.record()), given)
+            });
+            return match given.await {
+                Ok((record, given)) => (record, given.map_err(Error::from)),
+                Err(e) => (None, Err(e)),
+            };
         }
-    }
-
-    /// Gives the hook's processes their memory back (after the driver's unlock). A task
-    /// the client paused is thawed for it, unless the driver keeps it LOCKED until Resume:
-    /// then Resume gives the memory back, after the unlock.
-    async fn hook_give_back(&self, hooked: Option<HookCheckpoint>, state: InitState) -> Result<()> {
-        let Some(h) = hooked.filter(|h| !h.moved_pids().is_empty()) else {
-            return Ok(());
-        };
-        if state != InitState::Paused {
-            return give_back_blocking(h).await;
-        }
-        if self.gpu_locked.lock().expect("gpu_locked lock").is_some() {
+        // No snapshot (see `hold`): the images are complete already.
+        let record = h.record();
+        if state == InitState::Paused && self.gpu_locked.lock().expect("gpu_locked lock").is_some()
+        {
             *self.hook_pending.lock().expect("hook_pending lock") = Some(h);
-            return Ok(());
+            return (Some(record), Ok(()));
         }
-        self.runc.resume(&self.id).await?;
-        let res = give_back_blocking(h).await;
-        if let Err(e) = self.runc.pause(&self.id).await {
-            tracing::error!(id = %self.id, "re-pausing after the hook's give-back: {e}");
-        }
-        res
+        let given = blocking("hook", move || h.give_back());
+        let given = self
+            .with_thawed(state, "the hook's give-back", false, given)
+            .await;
+        (Some(record), given.and_then(|g| g.map_err(Error::from)))
     }
 
     /// Locks and checkpoints the container's CUDA processes when the shim is the quiescer.
     /// A paused task is thawed for it: the driver's lock runs a thread inside the process.
-    /// Records `gpucr-gpu.json` only after the dump (see `record_gpu`).
+    /// Records `gpucr-gpu.json` only after the dump (see `Held::record_gpu`).
     async fn quiesce_gpu(&self, state: InitState) -> Result<Option<gpu::Quiesced>> {
         if self.gpu.quiescer != gpu::Quiescer::Shim {
             return Ok(None);
@@ -447,22 +526,15 @@ impl Container {
         if candidates.is_empty() {
             return Ok(None);
         }
-        let paused = state == InitState::Paused;
-        if paused {
-            self.runc.resume(&self.id).await?;
-        }
         let started = Instant::now();
-        let res = gpu::quiesce(candidates, self.gpu.lock_timeout).await;
-        if paused {
-            if let Err(e) = self.runc.pause(&self.id).await {
-                tracing::error!(id = %self.id, "re-pausing after GPU quiesce: {e}");
-            }
-        }
-        let q = res.map_err(|e| Error::Checkpoint {
+        let quiesced = gpu::quiesce(candidates, self.gpu.lock_timeout);
+        let res = self
+            .with_thawed(state, "GPU quiesce", false, async { Ok(quiesced.await) })
+            .await?;
+        let q = res.map_err(|e| Error::CheckpointStep {
             id: self.id.clone(),
-            msg: e.to_string(),
+            source: Box::new(e),
             left: TaskLeft::from(state),
-            log: None,
         })?;
         if let Some(q) = &q {
             tracing::info!(id = %self.id, pids = ?q.pids(),

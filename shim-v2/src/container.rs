@@ -18,19 +18,21 @@ use crate::{
     deadline::Deadlines,
     error::{Error, IoContext, Result},
     failpoint,
-    gpu::{self, GpuConfig},
-    gpu_hook::{self, HookRecord},
-    hook_spec, host,
+    gpu::{
+        driver::{self as gpu, GpuConfig},
+        hook::{self as gpu_hook, spec as hook_spec, HookRecord},
+        host,
+        restore_helpers::RestoreHelpers,
+    },
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
     process::{
         exec::ExecProcess,
         init::InitProcess,
-        state::{ExecState, InitState, Verb},
+        state::{ExecState, InitState, TaskVerb},
         ExitCell, ExitInfo,
     },
     reaper::Spawner,
-    restore_helpers::RestoreHelpers,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
     unpacked::UnpackedCheckpoint,
 };
@@ -330,10 +332,10 @@ impl Container {
                     msg: format!("the image check panicked: {e}"),
                 })??;
             // Refuse what this host cannot take before anything is created.
-            let refuse = |e: Error| Error::Restore {
+            let refuse = |e: Error| Error::RestoreRefused {
                 id: cfg.id.clone(),
                 image: image.clone(),
-                msg: e.to_string(),
+                source: Box::new(e),
             };
             let hook_record = HookRecord::load(image).map_err(|e| refuse(e.into()))?;
             if let Some(record) = gpu::load_record(image).map_err(refuse)? {
@@ -479,7 +481,7 @@ impl Container {
     /// `request`: the client's deadline, if it sent one (a restore's deadline).
     pub async fn start(&self, on_pid: impl FnOnce(u32), request: Option<Duration>) -> Result<u32> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(Verb::Start)?;
+        let next = init.state.next(TaskVerb::Start)?;
         if let Some(restore) = init.restore.clone() {
             let gpu = (init.gpu_pairs.clone(), init.gpu_processes);
             let restored = self.restore(&restore, gpu, request).await;
@@ -683,10 +685,11 @@ impl Container {
         pids.dedup();
         let n = gpu::resume_restored(pids, gpu_pairs).await?;
         if n < gpu_expected {
-            return Err(Error::Gpu(format!(
-                "the checkpoint holds GPU state of {gpu_expected} CUDA processes, but only {n} \
-                 were found after CRIU's restore: their device memory cannot be given back"
-            )));
+            return Err(gpu::GpuError::Missing {
+                expected: gpu_expected,
+                found: n,
+            }
+            .into());
         }
         if n > 0 {
             tracing::info!(id = %self.id, processes = n, "GPU state restored");
@@ -710,7 +713,7 @@ impl Container {
             (n, h)
         })
         .await
-        .map_err(|e| Error::Gpu(format!("hook worker panicked: {e}")))?;
+        .map_err(gpu::GpuError::panicked("hook"))?;
         *helpers = Some(h);
         let n = n?;
         tracing::info!(id = %self.id, processes = n,
@@ -729,7 +732,7 @@ impl Container {
 
     pub async fn pause(&self) -> Result<()> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(Verb::Pause)?;
+        let next = init.state.next(TaskVerb::Pause)?;
         self.runc.pause(&self.id).await?;
         self.set_state(&mut init, next);
         Ok(())
@@ -737,7 +740,7 @@ impl Container {
 
     pub async fn resume(&self) -> Result<()> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(Verb::Resume)?;
+        let next = init.state.next(TaskVerb::Resume)?;
         self.runc.resume(&self.id).await?;
         self.set_state(&mut init, next);
         let locked = self.gpu_locked.lock().expect("gpu_locked lock").take();
@@ -747,7 +750,7 @@ impl Container {
         }
         let pending = self.hook_pending.lock().expect("hook_pending lock").take();
         if let Some(h) = pending {
-            crate::checkpoint::give_back_blocking(h).await?;
+            crate::checkpoint::blocking("hook", move || h.give_back()).await??;
             tracing::info!(id = %self.id, "hook memory given back on resume");
         }
         Ok(())
@@ -766,7 +769,7 @@ impl Container {
                     exec_id: String::new(),
                 });
             }
-            state.next(Verb::Kill)?;
+            state.next(TaskVerb::Kill)?;
             if state == InitState::CreatedCheckpoint {
                 if self.init.try_lock().is_err() {
                     tracing::info!(id = %self.id, signal, "kill during the restore: delivered \
@@ -800,7 +803,7 @@ impl Container {
 
     pub async fn update(&self, resources: &Any) -> Result<()> {
         let init = self.init.lock().await;
-        init.state.next(Verb::Update)?;
+        init.state.next(TaskVerb::Update)?;
         let path = self.bundle.join("update-resources.json");
         std::fs::write(&path, &resources.value).ctx(|| format!("writing {}", path.display()))?;
         let res = self.runc.update(&self.id, &path).await;
@@ -812,7 +815,7 @@ impl Container {
     pub async fn delete(&self) -> Result<ExitInfo> {
         let mut init = self.init.lock().await;
         let from = init.state;
-        let next = from.next(Verb::Delete)?;
+        let next = from.next(TaskVerb::Delete)?;
         match from {
             InitState::CreatedCheckpoint => {}
             _ => {
@@ -872,7 +875,7 @@ impl Container {
     async fn record_init_exit(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
         let mut init = self.init.lock().await;
         let was = init.state;
-        match was.next(Verb::Exit) {
+        match was.next(TaskVerb::Exit) {
             Ok(next) => self.set_state(&mut init, next),
             Err(_) => return None, // deleted already: reported by Delete
         }
@@ -903,7 +906,7 @@ impl Container {
     }
 
     pub async fn add_exec(&self, exec_id: &str, spec: Any, stdio: StdioSpec) -> Result<()> {
-        self.init.lock().await.state.next(Verb::Exec)?;
+        self.init.lock().await.state.next(TaskVerb::Exec)?;
         let mut execs = self.execs.lock().expect("execs lock");
         if execs.contains_key(exec_id) {
             return Err(Error::AlreadyExists(format!("{}/{exec_id}", self.id)));
@@ -928,10 +931,13 @@ impl Container {
 
     async fn run_exec(&self, p: &ExecProcess, on_pid: impl FnOnce(u32)) -> Result<u32> {
         let mut inner = p.inner.lock().await;
-        let next = inner.state.next(Verb::Start).map_err(|e| Error::Runtime {
-            op: "exec start",
-            msg: e.to_string(),
-        })?;
+        let next = inner
+            .state
+            .next(TaskVerb::Start)
+            .map_err(|e| Error::Runtime {
+                op: "exec start",
+                msg: e.to_string(),
+            })?;
         let process_json = self.bundle.join(format!("exec-{}.json", p.exec_id));
         let pid_file = self.bundle.join(format!("exec-{}.pid", p.exec_id));
         std::fs::write(
@@ -988,10 +994,13 @@ impl Container {
 
     pub async fn delete_exec(&self, p: &ExecProcess) -> Result<ExitInfo> {
         let mut inner = p.inner.lock().await;
-        let next = inner.state.next(Verb::Delete).map_err(|e| Error::Runtime {
-            op: "exec delete",
-            msg: e.to_string(),
-        })?;
+        let next = inner
+            .state
+            .next(TaskVerb::Delete)
+            .map_err(|e| Error::Runtime {
+                op: "exec delete",
+                msg: e.to_string(),
+            })?;
         inner.io.shutdown();
         inner.state = next;
         drop(inner);
@@ -1011,7 +1020,7 @@ impl Container {
         at: SystemTime,
     ) -> Option<ExitInfo> {
         let mut inner = p.inner.lock().await;
-        inner.state = inner.state.next(Verb::Exit).ok()?;
+        inner.state = inner.state.next(TaskVerb::Exit).ok()?;
         let io = std::mem::take(&mut inner.io);
         drop(inner);
         record_exit(io, &p.exit, status, at).await

@@ -38,11 +38,28 @@ pub enum Error {
         /// CRIU's dump log, when CRIU ran.
         log: Option<PathBuf>,
     },
+    /// A step before the dump failed (the hook's copy-out, the driver's lock): the task is
+    /// as the client had it.
+    #[error("checkpoint of {id} failed: {source}; {left}")]
+    CheckpointStep {
+        id: String,
+        #[source]
+        source: Cause,
+        left: TaskLeft,
+    },
     #[error("restore of {id} from {image} failed: {msg}")]
     Restore {
         id: String,
         image: PathBuf,
         msg: String,
+    },
+    /// Create refused a checkpoint this host cannot take (GPU, hook, devices).
+    #[error("restore of {id} from {image} failed: {source}")]
+    RestoreRefused {
+        id: String,
+        image: PathBuf,
+        #[source]
+        source: Cause,
     },
     /// A step that ran out of time; what it started was killed.
     #[error("{op} {msg}")]
@@ -52,9 +69,9 @@ pub enum Error {
         msg: String,
     },
     #[error("GPU: {0}")]
-    Gpu(String),
+    Gpu(#[source] Box<crate::gpu::driver::GpuError>),
     #[error("GPU hook: {0}")]
-    Hook(#[from] crate::gpu_hook::HookError),
+    Hook(#[from] crate::gpu::hook::HookError),
     #[error(transparent)]
     Cgroup(#[from] crate::restore_cgroup::CgroupError),
     #[error("{context}: {source}")]
@@ -90,6 +107,9 @@ pub enum Error {
     )]
     Failpoint { point: &'static str },
 }
+
+/// The typed error a checkpoint or restore failed with, kept as its source.
+pub type Cause = Box<dyn std::error::Error + Send + Sync>;
 
 /// What a failed checkpoint left of the task: runc's own state, asked after the failure
 /// (a CRIU killed mid-dump can leave the cgroup frozen or thawed behind the shim's back).
@@ -143,6 +163,11 @@ impl Error {
         Error::InvalidArgument(msg.into())
     }
 
+    /// Whether a restore failed or was refused: what an operator looks for in the log.
+    pub fn is_restore(&self) -> bool {
+        matches!(self, Error::Restore { .. } | Error::RestoreRefused { .. })
+    }
+
     fn code(&self) -> Code {
         match self {
             Error::ContainerNotFound(_) | Error::ProcessNotFound { .. } => Code::NOT_FOUND,
@@ -156,7 +181,9 @@ impl Error {
             Error::Runtime { .. }
             | Error::RuntimeKilled { .. }
             | Error::Checkpoint { .. }
+            | Error::CheckpointStep { .. }
             | Error::Restore { .. }
+            | Error::RestoreRefused { .. }
             | Error::Gpu(_)
             | Error::Hook(_)
             | Error::Cgroup(_)
@@ -183,6 +210,12 @@ impl From<Error> for ttrpc::Error {
     }
 }
 
+impl From<crate::gpu::driver::GpuError> for Error {
+    fn from(e: crate::gpu::driver::GpuError) -> Self {
+        Error::Gpu(Box::new(e))
+    }
+}
+
 impl From<protobuf::Error> for Error {
     fn from(e: protobuf::Error) -> Self {
         Error::Decode {
@@ -195,7 +228,7 @@ impl From<protobuf::Error> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::process::state::{InitState, Verb};
+    use crate::process::state::{InitState, TaskVerb};
 
     fn code_of(e: Error) -> Code {
         match ttrpc::Error::from(e) {
@@ -224,7 +257,7 @@ mod tests {
         assert_eq!(
             code_of(Error::State(StateError {
                 from: InitState::Stopped,
-                verb: Verb::Pause
+                verb: TaskVerb::Pause
             })),
             Code::FAILED_PRECONDITION
         );

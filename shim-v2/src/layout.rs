@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use crate::{
     error::{IoContext, Result},
-    gpu_hook::IMAGE_DIR,
+    gpu::hook::IMAGE_DIR,
 };
 
 /// The folded name of `gpu-hook/<ns_pid>/<file>`.

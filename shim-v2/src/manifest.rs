@@ -23,11 +23,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{Error, IoContext, Result},
-    gpu_hook::{self, HookRecord},
+    gpu::hook::{self as gpu_hook, HookRecord},
     layout,
 };
 
-pub const MANIFEST: &str = "gpucr-checkpoint.json";
+/// The image check's file (see `records`).
+pub const MANIFEST: &str = crate::records::CHECKPOINT;
 /// 2: per-chunk BLAKE3 of every file. 1 (older gpucr): small files by FNV-1a, large by size.
 const MANIFEST_VERSION: u32 = 2;
 /// The unit a damaged byte is located to.

@@ -741,7 +741,7 @@ fn rpc<T>(r: Result<T>) -> TtrpcResult<T> {
         // A failed or refused restore is what an operator looks for in containerd's log
         // (containerd only hands it to the client; a failed checkpoint is logged where it
         // fails); the rest (NotFound for a process already gone, …) is routine.
-        if matches!(e, Error::Restore { .. }) {
+        if e.is_restore() {
             tracing::warn!("{e}");
         } else {
             tracing::debug!("rpc error: {e}");

@@ -14,7 +14,7 @@ use super::dma::{plan_windows, InFlight, Windows};
 use super::fill::ChunkTodo;
 use super::{FastPath, FastPathError};
 use crate::alloc::{AllocState, Allocation};
-use crate::driver::{DevicePtr, DriverError, VmmDriver};
+use crate::driver::{DevicePtr, VmmDriver, VmmError};
 use crate::prepared::{Prepared, Registered, Target};
 use crate::protocol::{CopyOutReport, CopyProfile, PrepareReport};
 
@@ -232,7 +232,7 @@ impl<D: VmmDriver + 'static> FastPath<D> {
         };
         // The driver answers one list of sums per region, one sum per chunk.
         let malformed = || {
-            FastPathError::Driver(DriverError {
+            FastPathError::Driver(VmmError {
                 call: crate::driver::DriverCall::Hash,
                 code: crate::driver::CUDA_ERROR_INVALID_VALUE,
             })

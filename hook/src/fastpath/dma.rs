@@ -10,7 +10,7 @@ use gpu_state::image::StagingPin;
 
 use thiserror::Error;
 
-use crate::driver::{DriverError, VmmDriver};
+use crate::driver::{VmmDriver, VmmError};
 
 /// Pins staging pools through the driver (`cuMemHostRegister`), once per pool.
 pub(super) struct DriverPin<D>(pub(super) Arc<D>);
@@ -58,8 +58,8 @@ impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
     pub(super) fn start(
         &mut self,
         item: T,
-        issue: impl FnOnce(&mut T, usize) -> Result<(), DriverError>,
-    ) -> Result<Option<T>, DriverError> {
+        issue: impl FnOnce(&mut T, usize) -> Result<(), VmmError>,
+    ) -> Result<Option<T>, VmmError> {
         let done = if self.is_full() {
             self.complete_oldest()?
         } else {
@@ -75,7 +75,7 @@ impl<'d, D: VmmDriver, T> InFlight<'d, D, T> {
     }
 
     /// Waits for the oldest copy and hands back its buffer.
-    pub(super) fn complete_oldest(&mut self) -> Result<Option<T>, DriverError> {
+    pub(super) fn complete_oldest(&mut self) -> Result<Option<T>, VmmError> {
         let Some((stream, item)) = self.queue.pop_front() else {
             return Ok(None);
         };
@@ -162,7 +162,7 @@ pub(super) struct Windows<'d, D: VmmDriver> {
     pub(super) driver: &'d D,
     pub(super) windows: Vec<(usize, usize)>,
     pub(super) requests: Option<mpsc::Sender<usize>>,
-    pub(super) results: mpsc::Receiver<(usize, Result<(), DriverError>)>,
+    pub(super) results: mpsc::Receiver<(usize, Result<(), VmmError>)>,
     pub(super) requested: usize,
     /// Registered and not unregistered yet.
     pub(super) live: Vec<usize>,
@@ -217,14 +217,14 @@ impl<'d, D: VmmDriver> Windows<'d, D> {
         self.current
     }
 
-    pub(super) fn enter(&mut self, k: usize) -> Result<(), DriverError> {
+    pub(super) fn enter(&mut self, k: usize) -> Result<(), VmmError> {
         let t = Instant::now();
         let entered = self.enter_inner(k);
         self.waited += t.elapsed();
         entered
     }
 
-    pub(super) fn enter_inner(&mut self, k: usize) -> Result<(), DriverError> {
+    pub(super) fn enter_inner(&mut self, k: usize) -> Result<(), VmmError> {
         if let Some(c) = self.current.take() {
             self.unregister(c);
         }
@@ -236,7 +236,7 @@ impl<'d, D: VmmDriver> Windows<'d, D> {
             self.requested += 1;
         }
         loop {
-            let gone = DriverError {
+            let gone = VmmError {
                 call: crate::driver::DriverCall::RegisterHost,
                 code: crate::driver::CUDA_ERROR_INVALID_VALUE,
             };

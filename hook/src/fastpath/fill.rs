@@ -12,7 +12,7 @@ use super::helpers::Shared;
 use super::options::MapReads;
 use super::{lock, FastPath, FastPathError};
 use crate::alloc::{AllocState, Allocation};
-use crate::driver::{DevicePtr, DriverError, VmmDriver};
+use crate::driver::{DevicePtr, VmmDriver, VmmError};
 use crate::protocol::{CopyInReport, CopyProfile, WarmReport};
 
 /// One chunk a copy-out moves: allocation `id` at device address `va`, `len` bytes
@@ -26,13 +26,13 @@ pub(super) struct ChunkTodo {
 
 /// Why the direct copy-in stopped.
 pub(super) enum DirectInError {
-    Driver(DriverError),
+    Driver(VmmError),
     /// A chunk failed its check.
     Corrupt(ImageError),
 }
 
-impl From<DriverError> for DirectInError {
-    fn from(e: DriverError) -> Self {
+impl From<VmmError> for DirectInError {
+    fn from(e: VmmError) -> Self {
         DirectInError::Driver(e)
     }
 }

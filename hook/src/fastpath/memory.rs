@@ -11,7 +11,7 @@ use super::{FastPath, FastPathError};
 use thiserror::Error;
 
 use crate::alloc::{AllocError, AllocState, Allocation};
-use crate::driver::{fd_identity, DevicePtr, DriverError, VmmDriver};
+use crate::driver::{fd_identity, DevicePtr, VmmDriver, VmmError};
 use crate::protocol::{CopyOutReport, MemoryReport, SnapshotReport};
 use crate::snapshot::Snapshot;
 
@@ -388,7 +388,7 @@ pub enum KeepError {
     },
     #[error("{release}; restoring the released allocations from the snapshot failed")]
     SnapshotUndo {
-        release: DriverError,
+        release: VmmError,
         #[source]
         undo: Box<FastPathError>,
     },

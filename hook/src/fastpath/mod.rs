@@ -27,7 +27,7 @@ use thiserror::Error;
 
 use crate::alloc::{AllocError, AllocState, Allocation, Allocator, Unsupported};
 use crate::control::Engine;
-use crate::driver::{DevicePtr, DriverError, VmmDriver};
+use crate::driver::{DevicePtr, VmmDriver, VmmError};
 use crate::gate::{Gate, GateError};
 use crate::helper::{AheadJob, Helpers};
 use crate::prepared::Prepared;
@@ -57,7 +57,7 @@ pub enum FastPathError {
     #[error(transparent)]
     Alloc(#[from] AllocError),
     #[error(transparent)]
-    Driver(#[from] DriverError),
+    Driver(#[from] VmmError),
     #[error("GPU state image: {0}")]
     Image(#[from] ImageError),
     #[error("{} allocation(s) the hook cannot move (first: {:?}); use the driver path", .0.len(), .0.first())]

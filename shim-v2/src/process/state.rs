@@ -10,7 +10,7 @@ use containerd_shim_protos::api::Status;
 
 /// What a client asks of a process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verb {
+pub enum TaskVerb {
     Start,
     Pause,
     Resume,
@@ -49,22 +49,22 @@ pub enum ExecState {
 #[error("cannot {verb:?} a task in state {from:?}")]
 pub struct StateError {
     pub from: InitState,
-    pub verb: Verb,
+    pub verb: TaskVerb,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot {verb:?} an exec process in state {from:?}")]
 pub struct ExecStateError {
     pub from: ExecState,
-    pub verb: Verb,
+    pub verb: TaskVerb,
 }
 
 impl InitState {
     /// The state after `verb`, or why `verb` is not allowed now. Checkpoint keeps the state:
     /// with `exit` the process goes to Stopped through the reaper, like any exit.
-    pub fn next(self, verb: Verb) -> Result<InitState, StateError> {
+    pub fn next(self, verb: TaskVerb) -> Result<InitState, StateError> {
         use InitState::*;
-        use Verb as V;
+        use TaskVerb as V;
         let to = match (self, verb) {
             (Created | CreatedCheckpoint, V::Start) => Running,
             (Running, V::Pause) => Paused,
@@ -91,13 +91,13 @@ impl InitState {
 }
 
 impl ExecState {
-    pub fn next(self, verb: Verb) -> Result<ExecState, ExecStateError> {
+    pub fn next(self, verb: TaskVerb) -> Result<ExecState, ExecStateError> {
         use ExecState::*;
         let to = match (self, verb) {
-            (Created, Verb::Start) => Running,
-            (Created | Running, Verb::Kill) => self,
-            (Created | Stopped, Verb::Delete) => Deleted,
-            (Created | Running | Stopped, Verb::Exit) => Stopped,
+            (Created, TaskVerb::Start) => Running,
+            (Created | Running, TaskVerb::Kill) => self,
+            (Created | Stopped, TaskVerb::Delete) => Deleted,
+            (Created | Running | Stopped, TaskVerb::Exit) => Stopped,
             _ => return Err(ExecStateError { from: self, verb }),
         };
         Ok(to)
@@ -122,16 +122,16 @@ impl fmt::Display for InitState {
 mod tests {
     use super::*;
 
-    const VERBS: [Verb; 9] = [
-        Verb::Start,
-        Verb::Pause,
-        Verb::Resume,
-        Verb::Checkpoint,
-        Verb::Exec,
-        Verb::Kill,
-        Verb::Update,
-        Verb::Delete,
-        Verb::Exit,
+    const VERBS: [TaskVerb; 9] = [
+        TaskVerb::Start,
+        TaskVerb::Pause,
+        TaskVerb::Resume,
+        TaskVerb::Checkpoint,
+        TaskVerb::Exec,
+        TaskVerb::Kill,
+        TaskVerb::Update,
+        TaskVerb::Delete,
+        TaskVerb::Exit,
     ];
 
     #[test]
@@ -229,11 +229,11 @@ mod tests {
         for from in [Created, Running, Stopped, Deleted] {
             for verb in VERBS {
                 let want = match (from, verb) {
-                    (Created, Verb::Start) => Some(Running),
-                    (Created | Running, Verb::Kill) => Some(from),
-                    (Created | Stopped, Verb::Delete) => Some(Deleted),
+                    (Created, TaskVerb::Start) => Some(Running),
+                    (Created | Running, TaskVerb::Kill) => Some(from),
+                    (Created | Stopped, TaskVerb::Delete) => Some(Deleted),
                     (Deleted, _) => None,
-                    (_, Verb::Exit) => Some(Stopped),
+                    (_, TaskVerb::Exit) => Some(Stopped),
                     _ => None,
                 };
                 assert_eq!(from.next(verb).ok(), want, "{from:?} --{verb:?}-->");

@@ -236,7 +236,7 @@ pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value) -> Result<boo
 
 /// Whether the checkpointed container had the hook: its record says so, or (an image
 /// without one) the host manifest recorded the hook's bind mounts.
-pub fn was_injected(image: &Path, record: Option<&crate::gpu_hook::HookRecord>) -> bool {
+pub fn was_injected(image: &Path, record: Option<&crate::gpu::hook::HookRecord>) -> bool {
     if let Some(r) = record {
         return r.injected;
     }

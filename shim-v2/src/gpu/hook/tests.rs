@@ -1,5 +1,6 @@
 use super::*;
-use crate::restore_helpers::RestoreHelpers;
+use crate::gpu::restore_helpers::RestoreHelpers;
+use gpucr_hook::protocol::CheckpointState;
 use std::sync::Arc;
 
 use gpucr_hook::driver::{DriverCall, VmmDriver};
@@ -446,7 +447,7 @@ fn a_restore_hands_the_shims_helpers_to_the_hook() {
         &script,
         format!(
             "#!/bin/bash\nexport GPUCR_FAKE_RESTORE_HELPER_LOG={}\nexec {} --exact \
-             gpu_hook::tests::fake_restore_helper --test-threads=1 -q >/dev/null\n",
+             gpu::hook::tests::fake_restore_helper --test-threads=1 -q >/dev/null\n",
             log.display(),
             std::env::current_exe().unwrap().display()
         ),

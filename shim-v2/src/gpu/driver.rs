@@ -23,11 +23,65 @@ use std::{
 };
 
 use gpu_state::{
-    check_compatibility, CheckpointApi, CudaDriver, GpuCheckpointRecord, GpuPair, GpuProcessSet,
-    Inventory, StepTimeouts,
+    check_compatibility, CheckpointApi, CompatibilityError, CudaDriver, DriverError,
+    GpuCheckpointRecord, GpuPair, GpuProcessSet, Inventory, OrchestrationError, RecordError,
+    StepTimeouts,
 };
 
 use crate::error::{Error, Result};
+
+/// The driver path's errors, each with gpu-state's own as its source.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(
+        "the container uses NVIDIA devices but libcuda.so.1 cannot be loaded on this host \
+         (install the NVIDIA driver r570+ or set GPUCR_LIBCUDA)"
+    )]
+    NoLibcuda,
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+    /// Finding the CUDA processes among the candidates.
+    #[error(transparent)]
+    Discover(OrchestrationError),
+    /// A step on every CUDA process (gpu-state rolled them back).
+    #[error("{step}: {source}")]
+    Step {
+        step: &'static str,
+        #[source]
+        source: OrchestrationError,
+    },
+    #[error("writing GPU record: {0}")]
+    WriteRecord(#[source] RecordError),
+    #[error("the image's GPU record is damaged: {0}")]
+    DamagedRecord(#[source] RecordError),
+    /// This host cannot take the checkpoint's GPU state.
+    #[error(transparent)]
+    Incompatible(#[from] CompatibilityError),
+    /// The checkpoint's CUDA processes were not all found after CRIU's restore.
+    #[error(
+        "the checkpoint holds GPU state of {expected} CUDA processes, but only {found} \
+         were found after CRIU's restore: their device memory cannot be given back"
+    )]
+    Missing { expected: usize, found: usize },
+    /// A blocking worker of the GPU layer (`what`: GPU or hook) panicked.
+    #[error("{what} worker panicked: {source}")]
+    Panicked {
+        what: &'static str,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+impl GpuError {
+    fn step(step: &'static str) -> impl FnOnce(OrchestrationError) -> GpuError {
+        move |source| GpuError::Step { step, source }
+    }
+
+    /// A worker's panic, as the error of what it ran.
+    pub fn panicked(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> Error {
+        move |source| GpuError::Panicked { what, source }.into()
+    }
+}
 
 /// Annotation: `auto` (default, = `shim`), `shim` or `plugin` — who quiesces CUDA processes.
 pub const QUIESCE_ANNOTATION: &str = "io.gpucr.gpu-quiesce";
@@ -128,19 +182,15 @@ pub fn nvidia_pids(pids: &[i32]) -> Vec<u32> {
 fn driver() -> Result<Arc<dyn CheckpointApi>> {
     match CudaDriver::probe() {
         Ok(Some(d)) => Ok(Arc::new(d)),
-        Ok(None) => Err(Error::Gpu(
-            "the container uses NVIDIA devices but libcuda.so.1 cannot be loaded on this host \
-             (install the NVIDIA driver r570+ or set GPUCR_LIBCUDA)"
-                .into(),
-        )),
-        Err(e) => Err(Error::Gpu(e.to_string())),
+        Ok(None) => Err(GpuError::NoLibcuda.into()),
+        Err(e) => Err(GpuError::Driver(e).into()),
     }
 }
 
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
-        .map_err(|e| Error::Gpu(format!("GPU worker panicked: {e}")))?
+        .map_err(GpuError::panicked("GPU"))?
 }
 
 /// CUDA processes locked and checkpointed for one container checkpoint.
@@ -153,14 +203,12 @@ pub async fn quiesce(candidates: Vec<u32>, lock_timeout: Duration) -> Result<Opt
     blocking(move || {
         let api = driver()?;
         let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
-            .map_err(|e| Error::Gpu(e.to_string()))?;
+            .map_err(GpuError::Discover)?;
         if set.is_empty() {
             return Ok(None);
         }
-        set.lock_all(lock_timeout)
-            .map_err(|e| Error::Gpu(format!("lock: {e}")))?;
-        set.checkpoint_all()
-            .map_err(|e| Error::Gpu(format!("checkpoint: {e}")))?;
+        set.lock_all(lock_timeout).map_err(GpuError::step("lock"))?;
+        set.checkpoint_all().map_err(GpuError::step("checkpoint"))?;
         Ok(Some(Quiesced { set }))
     })
     .await
@@ -179,7 +227,7 @@ impl Quiesced {
             let res = record
                 .save(&image)
                 .map(drop)
-                .map_err(|e| Error::Gpu(format!("writing GPU record: {e}")));
+                .map_err(|e| GpuError::WriteRecord(e).into());
             (self, res)
         })
         .await;
@@ -194,7 +242,7 @@ impl Quiesced {
         blocking(move || {
             self.set
                 .resume_all(&[])
-                .map_err(|e| Error::Gpu(format!("resume after checkpoint: {e}")))
+                .map_err(|e| GpuError::step("resume after checkpoint")(e).into())
         })
         .await
     }
@@ -206,7 +254,7 @@ impl Quiesced {
         blocking(move || {
             self.set
                 .restore_all(&[])
-                .map_err(|e| Error::Gpu(format!("restore after checkpoint: {e}")))?;
+                .map_err(GpuError::step("restore after checkpoint"))?;
             Ok(self)
         })
         .await
@@ -216,7 +264,7 @@ impl Quiesced {
         blocking(move || {
             self.set
                 .unlock_all()
-                .map_err(|e| Error::Gpu(format!("unlock after checkpoint: {e}")))
+                .map_err(|e| GpuError::step("unlock after checkpoint")(e).into())
         })
         .await
     }
@@ -229,7 +277,7 @@ pub fn load_record(image: &Path) -> Result<Option<GpuCheckpointRecord>> {
     }
     GpuCheckpointRecord::load(image)
         .map(Some)
-        .map_err(|e| Error::Gpu(format!("the image's GPU record is damaged: {e}")))
+        .map_err(|e| GpuError::DamagedRecord(e).into())
 }
 
 /// Refuses a restore this host cannot take (driver branch, GPU model, free memory for
@@ -240,7 +288,7 @@ pub fn check_restore(record: &GpuCheckpointRecord, hook_bytes: u64) -> Result<()
     };
     let current = Inventory::gather();
     let need = Some(record.device_memory_estimate_bytes() + hook_bytes).filter(|b| *b > 0);
-    check_compatibility(recorded, &current, need).map_err(|e| Error::Gpu(e.to_string()))
+    check_compatibility(recorded, &current, need).map_err(|e| GpuError::Incompatible(e).into())
 }
 
 /// The environment that hands GPU pairs to gpucr's CRIU plugin (`GPUCR_GPU_MAP`, and
@@ -267,7 +315,7 @@ pub async fn resume_restored(pids: Vec<i32>, pairs: Vec<GpuPair>) -> Result<usiz
     blocking(move || {
         let api = driver()?;
         let mut set = GpuProcessSet::discover(api, &candidates, StepTimeouts::default())
-            .map_err(|e| Error::Gpu(e.to_string()))?;
+            .map_err(GpuError::Discover)?;
         let n = set.processes().len();
         tracing::info!(
             processes = n,
@@ -275,7 +323,7 @@ pub async fn resume_restored(pids: Vec<i32>, pairs: Vec<GpuPair>) -> Result<usiz
             "restoring device memory"
         );
         set.resume_all(&pairs)
-            .map_err(|e| Error::Gpu(format!("restore of device memory: {e}")))?;
+            .map_err(GpuError::step("restore of device memory"))?;
         Ok(n)
     })
     .await

@@ -28,7 +28,7 @@ use gpucr_hook::helper::{
 };
 use tokio::sync::oneshot;
 
-use crate::gpu_hook::HookRecord;
+use crate::gpu::hook::HookRecord;
 use crate::reaper::{Exit, Spawner};
 
 /// Annotation: how many copy-in helpers a restore of this container starts per process
@@ -261,7 +261,7 @@ fn room_for_contexts(
     let Some(free) = free else {
         return Ok(());
     };
-    let driver = crate::gpu::load_record(image)
+    let driver = crate::gpu::driver::load_record(image)
         .ok()
         .flatten()
         .map_or(0, |r| r.device_memory_estimate_bytes());
@@ -497,7 +497,7 @@ mod tests {
     #[test]
     fn helpers_need_room_for_their_contexts_next_to_the_restored_memory() {
         let image = tempfile::tempdir().unwrap();
-        let process = |bytes| crate::gpu_hook::ProcessRecord {
+        let process = |bytes| crate::gpu::hook::ProcessRecord {
             host_pid: 1,
             ns_pid: 1,
             allocations: 1,
