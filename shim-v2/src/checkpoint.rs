@@ -26,7 +26,7 @@ use crate::{
     layout, manifest,
     options::CheckpointRequest,
     process::{
-        init::InitProcess,
+        init::{ForResume, InitProcess},
         state::{InitState, TaskVerb},
     },
     runc::CheckpointOpts,
@@ -59,6 +59,10 @@ struct Held {
     quiesced: Option<gpu::Quiesced>,
     /// Paused by the client, thawed for CRIU's plugin: paused again after the dump.
     thawed: bool,
+    /// What the client's Resume finishes (a paused task's GPU kept LOCKED, the hook's
+    /// memory behind it); `locked_before`: an earlier checkpoint left the GPU LOCKED.
+    later: ForResume,
+    locked_before: bool,
 }
 
 impl Held {
@@ -101,16 +105,20 @@ impl Held {
     /// A failed checkpoint: the GPU back to the task (driver restore and unlock; a paused
     /// task's unlock waits for Resume), then the hook's memory, snapshots dropped. Returns
     /// what could not be given back.
-    async fn undo(mut self, c: &Container, state: InitState) -> Vec<Error> {
+    async fn undo(mut self, c: &Container, state: InitState) -> (Vec<Error>, ForResume) {
         self.repause(c, true).await;
         let mut failed = Vec::new();
-        if let Some(q) = self.quiesced {
-            failed.extend(c.resume_gpu(q, state).await.err());
+        if let Some(q) = self.quiesced.take() {
+            failed.extend(c.resume_gpu(q, state, &mut self.later).await.err());
         }
-        if let Some(h) = self.hooked {
-            failed.extend(c.hook_give_back(h, state, false).await.1.err());
+        if let Some(h) = self.hooked.take() {
+            let locked = self.locked_before || self.later.locked.is_some();
+            let (_, given) = c
+                .hook_give_back(h, state, false, locked, &mut self.later)
+                .await;
+            failed.extend(given.err());
         }
-        failed
+        (failed, self.later)
     }
 
     /// A finished dump: what the task lives on with (unless CRIU killed it, `exit`) is
@@ -118,18 +126,21 @@ impl Held {
     /// Returns the hook's record for the image (`Some(None)`: a process's memory is not
     /// in it; `None`: no hook) and whether everything came back.
     async fn release(
-        self,
+        mut self,
         c: &Container,
         state: InitState,
         exit: bool,
-    ) -> (Option<Option<HookRecord>>, Result<()>) {
-        let mut resumed = match self.quiesced {
-            Some(q) if !exit => c.resume_gpu(q, state).await,
+    ) -> (Option<Option<HookRecord>>, Result<()>, ForResume) {
+        let mut resumed = match self.quiesced.take() {
+            Some(q) if !exit => c.resume_gpu(q, state, &mut self.later).await,
             _ => Ok(()),
         };
-        let record = match self.hooked {
+        let locked = self.locked_before || self.later.locked.is_some();
+        let record = match self.hooked.take() {
             Some(h) if !exit => {
-                let (record, given) = c.hook_give_back(h, state, true).await;
+                let (record, given) = c
+                    .hook_give_back(h, state, true, locked, &mut self.later)
+                    .await;
                 resumed = resumed.and(given);
                 Some(record)
             }
@@ -140,7 +151,7 @@ impl Held {
             None if c.hook => Some(Some(HookRecord::injected_only())),
             None => None,
         };
-        (record, resumed)
+        (record, resumed, self.later)
     }
 }
 
@@ -226,7 +237,7 @@ impl Container {
         request: Option<Duration>,
     ) -> Result<()> {
         let mut init = self.init.lock().await;
-        init.state.next(TaskVerb::Checkpoint)?;
+        init.state().next(TaskVerb::Checkpoint)?;
         failpoint::hit(&self.id, failpoint::CHECKPOINT_BEFORE_FREEZE).await?;
         let work = self.work_dir(req);
         if req.work_path.is_empty() && self.opts.criu_work_path.is_empty() {
@@ -247,15 +258,20 @@ impl Container {
             empty_ns: req.empty_namespaces.clone(),
             manage_cgroups_mode: Some(req.cgroups_mode.clone()).filter(|m| !m.is_empty()),
         };
-        let mut held = match self.hold(init.state, image, !req.exit).await {
+        let locked_before = init.phase.for_resume().is_some_and(|l| l.locked.is_some());
+        let mut held = match self.hold(init.state(), image, !req.exit).await {
             Ok(held) => held,
-            Err((held, e)) => {
-                for undone in held.undo(self, init.state).await {
+            Err((mut held, e)) => {
+                held.locked_before = locked_before;
+                let (failed, later) = held.undo(self, init.state()).await;
+                init.phase.leave_for_resume(later);
+                for undone in failed {
                     tracing::error!(id = %self.id, "after a failed GPU quiesce: {undone}");
                 }
                 return Err(e);
             }
         };
+        held.locked_before = locked_before;
         // CRIU's CUDA plugin (loaded whenever it is installed) leaves alone what the shim
         // quiesced: the driver path's processes and the hook's.
         let marker = gpu::shim_quiesced_value(&held.quiesced_pids());
@@ -302,7 +318,9 @@ impl Container {
             };
             // Thaw first: the driver's restore runs a thread inside the process.
             let left = self.settle_after_failed_dump(&mut init).await;
-            for undone in held.undo(self, init.state).await {
+            let (failed, later) = held.undo(self, init.state()).await;
+            init.phase.leave_for_resume(later);
+            for undone in failed {
                 msg = format!("{msg}; and then {undone}");
             }
             tracing::error!(id = %self.id, "checkpoint failed: {msg}");
@@ -316,7 +334,9 @@ impl Container {
         let dump_ms = started.elapsed().as_millis() as u64;
         if let Err(e) = held.record_gpu(image).await {
             if !req.exit {
-                for undone in held.undo(self, init.state).await {
+                let (failed, later) = held.undo(self, init.state()).await;
+                init.phase.leave_for_resume(later);
+                for undone in failed {
                     tracing::error!(id = %self.id, "after a failed GPU record: {undone}");
                 }
             }
@@ -324,7 +344,8 @@ impl Container {
         }
         // The task lives on (leave-running): its GPU must too, before the records and
         // the manifest are written (and a snapshot's image: while the task runs).
-        let (hook_record, resumed) = held.release(self, init.state, req.exit).await;
+        let (hook_record, resumed, later) = held.release(self, init.state(), req.exit).await;
+        init.phase.leave_for_resume(later);
         // Whether the hook was there, and what it moved (timings, bytes, fallbacks).
         if let Some(record) = hook_record {
             let Some(record) = record else {
@@ -340,7 +361,7 @@ impl Container {
                 return Err(Error::Checkpoint {
                     id: self.id.clone(),
                     msg,
-                    left: TaskLeft::from(init.state),
+                    left: TaskLeft::from(init.state()),
                     log: None,
                 });
             };
@@ -435,14 +456,19 @@ impl Container {
     /// resumes it (`Container::resume` unlocks): unlocked while thawed, it would run on
     /// between the dump and the client's snapshot of the rootfs (ctr takes it after the
     /// Checkpoint RPC), and a restore would repeat that work.
-    async fn resume_gpu(&self, q: gpu::Quiesced, state: InitState) -> Result<()> {
+    async fn resume_gpu(
+        &self,
+        q: gpu::Quiesced,
+        state: InitState,
+        later: &mut ForResume,
+    ) -> Result<()> {
         if state != InitState::Paused {
             return q.resume().await;
         }
         let locked = self
             .with_thawed(state, "the GPU restore", true, q.restore_memory())
             .await?;
-        *self.gpu_locked.lock().expect("gpu_locked lock") = Some(locked);
+        later.locked = Some(locked);
         Ok(())
     }
 
@@ -487,6 +513,8 @@ impl Container {
         mut h: HookCheckpoint,
         state: InitState,
         write: bool,
+        gpu_locked: bool,
+        later: &mut ForResume,
     ) -> (Option<HookRecord>, Result<()>) {
         if h.moved_pids().is_empty() {
             return (Some(h.record()), Ok(()));
@@ -503,9 +531,8 @@ impl Container {
         }
         // No snapshot (see `hold`): the images are complete already.
         let record = h.record();
-        if state == InitState::Paused && self.gpu_locked.lock().expect("gpu_locked lock").is_some()
-        {
-            *self.hook_pending.lock().expect("hook_pending lock") = Some(h);
+        if state == InitState::Paused && gpu_locked {
+            later.hook = Some(h);
             return (Some(record), Ok(()));
         }
         let given = blocking("hook", move || h.give_back());
@@ -561,7 +588,7 @@ impl Container {
     /// state: CRIU killed mid-dump leaves the cgroup frozen (or thawed, for a task the
     /// client paused). Returns what is left, for the error; the recorded state follows it.
     async fn settle_after_failed_dump(&self, init: &mut InitProcess) -> TaskLeft {
-        let ours = init.state;
+        let ours = init.state();
         let status = match self.runc.state(&self.id).await {
             Ok(st) => st.status,
             Err(e) => {

@@ -28,11 +28,12 @@ use crate::{
     options::RuntimeOptions,
     process::{
         exec::ExecProcess,
-        init::InitProcess,
+        init::{InitProcess, RestorePlan},
         state::{ExecState, InitState, TaskVerb},
         ExitCell, ExitInfo,
     },
     reaper::Spawner,
+    records::Records,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
     unpacked::UnpackedCheckpoint,
 };
@@ -52,13 +53,8 @@ pub struct Container {
     pub gpu: GpuConfig,
     /// How long CRIU may take (from its annotations, else by memory).
     pub deadlines: Deadlines,
-    /// CUDA processes left LOCKED by a checkpoint of a paused task; unlocked by Resume.
-    pub gpu_locked: std::sync::Mutex<Option<gpu::Quiesced>>,
     /// Whether the container's processes have the hook library preloaded.
     pub hook: bool,
-    /// Processes whose hook still holds its memory released after a checkpoint of a
-    /// paused, driver-locked task: given back by Resume, after the driver's unlock.
-    pub hook_pending: std::sync::Mutex<Option<gpu_hook::HookCheckpoint>>,
     /// The init process; held across one verb (see InitProcess).
     pub init: Mutex<InitProcess>,
     /// The init's state as last set: State and Kill answer from it while a verb holds
@@ -307,7 +303,7 @@ impl Container {
         let gpu = GpuConfig::from_annotations(&annotations)?;
         let deadlines = Deadlines::from_annotations(&annotations)?;
         let mut gpu_pairs = Vec::new();
-        let mut gpu_processes = 0;
+        let mut records = Records::default();
         let hook;
         if let Some(image) = &cfg.checkpoint {
             // The hook's images back in their directories (a checkpoint leaves them flat);
@@ -337,17 +333,16 @@ impl Container {
                 image: image.clone(),
                 source: Box::new(e),
             };
-            let hook_record = HookRecord::load(image).map_err(|e| refuse(e.into()))?;
-            if let Some(record) = gpu::load_record(image).map_err(refuse)? {
+            records = Records::read(image).map_err(refuse)?;
+            if let Some(record) = &records.gpu {
                 // The device needs room for what the driver restores and what the hooks
                 // copy back in.
-                let hook_bytes = hook_record.as_ref().map_or(0, HookRecord::device_bytes);
-                gpu::check_restore(&record, hook_bytes).map_err(refuse)?;
-                gpu_processes = record.processes.len();
+                let hook_bytes = records.hook.as_ref().map_or(0, HookRecord::device_bytes);
+                gpu::check_restore(record, hook_bytes).map_err(refuse)?;
             }
             // CRIU restores the hook's bind mounts by destination: they must be in the spec
             // (with this host's sources) before the host plan checks every recorded mount.
-            hook = hook_spec::was_injected(image, hook_record.as_ref());
+            hook = hook_spec::was_injected(image, records.hook.as_ref());
             if hook {
                 hook_spec::inject_at_restore(&cfg.bundle).map_err(refuse)?;
             }
@@ -379,8 +374,8 @@ impl Container {
                 } else {
                     PathBuf::from(&cfg.opts.criu_work_path)
                 };
-                InitProcess::armed_restore(
-                    RestoreOpts {
+                InitProcess::armed_restore(RestorePlan {
+                    opts: RestoreOpts {
                         checkpoint: CheckpointOpts {
                             image_path: image.clone(),
                             work_path: Some(work),
@@ -394,9 +389,9 @@ impl Container {
                         no_pivot: cfg.opts.no_pivot_root,
                         env: Vec::new(),
                     },
-                    std::mem::take(&mut gpu_pairs),
-                    gpu_processes,
-                )
+                    records: std::mem::take(&mut records),
+                    gpu_pairs: std::mem::take(&mut gpu_pairs),
+                })
             }
             None => {
                 let pid_file = cfg.bundle.join("init.pid");
@@ -434,7 +429,7 @@ impl Container {
             }
         };
         let pid = init.pid;
-        let observed = std::sync::Mutex::new(init.state);
+        let observed = std::sync::Mutex::new(init.state());
         let kill_all_on_exit = shares_pid_namespace(&cfg.bundle);
         Ok(Container {
             id: cfg.id,
@@ -446,9 +441,7 @@ impl Container {
             rootfs: cfg.rootfs,
             gpu,
             deadlines,
-            gpu_locked: std::sync::Mutex::new(None),
             hook,
-            hook_pending: std::sync::Mutex::new(None),
             init: Mutex::new(init),
             observed,
             pending_kill: std::sync::Mutex::new(None),
@@ -472,7 +465,7 @@ impl Container {
 
     /// Every change of the init's state goes through here (the lock-free copy follows).
     pub(crate) fn set_state(&self, init: &mut InitProcess, next: InitState) {
-        init.state = next;
+        init.phase.set(next);
         *self.observed.lock().expect("observed lock") = next;
     }
 
@@ -481,10 +474,12 @@ impl Container {
     /// `request`: the client's deadline, if it sent one (a restore's deadline).
     pub async fn start(&self, on_pid: impl FnOnce(u32), request: Option<Duration>) -> Result<u32> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(TaskVerb::Start)?;
-        if let Some(restore) = init.restore.clone() {
-            let gpu = (init.gpu_pairs.clone(), init.gpu_processes);
-            let restored = self.restore(&restore, gpu, request).await;
+        let next = init.state().next(TaskVerb::Start)?;
+        let restored = match init.phase.restore_plan() {
+            Some(plan) => Some(self.restore(plan, request).await),
+            None => None,
+        };
+        if let Some(restored) = restored {
             let (pid, io) = match restored {
                 Ok(v) => v,
                 Err(e) => {
@@ -495,7 +490,6 @@ impl Container {
             };
             init.pid = pid;
             init.io = io;
-            init.restore = None;
             // Done with the image (a failed restore keeps it until Delete); removed in the
             // background, Start does not wait for it.
             if let Some(u) = self.unpacked.lock().expect("unpacked lock").as_mut() {
@@ -524,10 +518,10 @@ impl Container {
 
     async fn restore(
         &self,
-        r: &RestoreOpts,
-        (gpu_pairs, gpu_expected): (Vec<gpu_state::GpuPair>, usize),
+        plan: &RestorePlan,
         request: Option<Duration>,
     ) -> Result<(u32, crate::io::ProcessIo)> {
+        let r = &plan.opts;
         let started = std::time::Instant::now();
         let (child, pending) =
             PendingIo::prepare(&self.stdio, self.io_owner(), &self.runc.spawner)?;
@@ -539,7 +533,7 @@ impl Container {
             gpu::Quiescer::Shim => r.env.push((gpu::SHIM_QUIESCED_ENV.into(), "all".into())),
             // A CUDA CRIU plugin restores the GPU state inside `runc restore`: it gets the
             // pairs this host's plan made (gpucr's plugin reads GPUCR_GPU_MAP).
-            gpu::Quiescer::CriuPlugin => r.env.extend(gpu::plugin_pair_env(&gpu_pairs)),
+            gpu::Quiescer::CriuPlugin => r.env.extend(gpu::plugin_pair_env(&plan.gpu_pairs)),
         }
         let deadline = self.deadlines.restore(
             crate::manifest::image_bytes(&r.checkpoint.image_path),
@@ -552,15 +546,16 @@ impl Container {
         }
         // Started alongside `runc restore` (opening the image and planning take ~35 ms on
         // the H200): they pin their shares of the image while CRIU restores.
-        let starting = match HookRecord::load(&r.checkpoint.image_path) {
-            Ok(Some(record)) => {
+        let starting = match plan.records.hook.clone() {
+            Some(record) => {
                 let (id, image) = (self.id.clone(), r.checkpoint.image_path.clone());
                 let (bundle, spawner) = (self.bundle.clone(), self.runc.spawner.clone());
+                let driver_bytes = plan.driver_bytes();
                 Some(tokio::task::spawn_blocking(move || {
-                    RestoreHelpers::start(&id, &image, &bundle, &record, &spawner)
+                    RestoreHelpers::start(&id, &image, &bundle, &record, driver_bytes, &spawner)
                 }))
             }
-            _ => None,
+            None => None,
         };
         let mut helpers = None;
         let res = async {
@@ -578,11 +573,9 @@ impl Container {
             restored?;
             let io = pending.finish().await?;
             let pid = read_pid(&r.pid_file)?;
-            let image = &r.checkpoint.image_path;
             let fitted = async {
                 failpoint::hit(&self.id, failpoint::RESTORE_AFTER_CRIU).await?;
-                self.fit_restored(pid, image, gpu_pairs, gpu_expected, &mut helpers)
-                    .await
+                self.fit_restored(pid, plan, &mut helpers).await
             };
             let fitted = fitted.await;
             if let Err(e) = fitted {
@@ -663,9 +656,7 @@ impl Container {
     async fn fit_restored(
         &self,
         pid: u32,
-        image: &Path,
-        gpu_pairs: Vec<gpu_state::GpuPair>,
-        gpu_expected: usize,
+        plan: &RestorePlan,
         helpers: &mut Option<RestoreHelpers>,
     ) -> Result<()> {
         crate::restore_cgroup::adopt(&self.runc.root, &self.id, pid)?;
@@ -675,7 +666,7 @@ impl Container {
         }
         if self.gpu.quiescer != gpu::Quiescer::Shim {
             // CRIU's CUDA plugin restored and unlocked the driver's part already.
-            return self.hook_restore(image, helpers).await;
+            return self.hook_restore(plan, helpers).await;
         }
         // The cgroup's members and the init's descendants: a tree CRIU left outside the
         // container's cgroup (or a pod's layout runc ps misreads) still finds its CUDA processes.
@@ -683,7 +674,8 @@ impl Container {
         pids.extend(crate::reaper::tree_of(pid as i32));
         pids.sort_unstable();
         pids.dedup();
-        let n = gpu::resume_restored(pids, gpu_pairs).await?;
+        let n = gpu::resume_restored(pids, plan.gpu_pairs.clone()).await?;
+        let gpu_expected = plan.gpu_processes();
         if n < gpu_expected {
             return Err(gpu::GpuError::Missing {
                 expected: gpu_expected,
@@ -694,17 +686,21 @@ impl Container {
         if n > 0 {
             tracing::info!(id = %self.id, processes = n, "GPU state restored");
         }
-        self.hook_restore(image, helpers).await
+        self.hook_restore(plan, helpers).await
     }
 
     /// Remap → CopyIn → Thaw for every process whose memory the checkpoint's hooks moved,
     /// with the copy-in helpers started for them (given back in `helpers` to be let go).
-    async fn hook_restore(&self, image: &Path, helpers: &mut Option<RestoreHelpers>) -> Result<()> {
-        let Some(record) = HookRecord::load(image)?.filter(|r| !r.processes.is_empty()) else {
+    async fn hook_restore(
+        &self,
+        plan: &RestorePlan,
+        helpers: &mut Option<RestoreHelpers>,
+    ) -> Result<()> {
+        let Some(record) = plan.hook_copy_in().cloned() else {
             return Ok(());
         };
         failpoint::hit(&self.id, failpoint::RESTORE_BEFORE_HOOK_COPY_IN).await?;
-        let (id, image) = (self.id.clone(), image.to_path_buf());
+        let (id, image) = (self.id.clone(), plan.opts.checkpoint.image_path.clone());
         let sockets = hook_spec::socket_dir(&self.bundle);
         let started = std::time::Instant::now();
         let mut h = helpers.take().unwrap_or_default();
@@ -732,7 +728,7 @@ impl Container {
 
     pub async fn pause(&self) -> Result<()> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(TaskVerb::Pause)?;
+        let next = init.state().next(TaskVerb::Pause)?;
         self.runc.pause(&self.id).await?;
         self.set_state(&mut init, next);
         Ok(())
@@ -740,16 +736,16 @@ impl Container {
 
     pub async fn resume(&self) -> Result<()> {
         let mut init = self.init.lock().await;
-        let next = init.state.next(TaskVerb::Resume)?;
+        let next = init.state().next(TaskVerb::Resume)?;
         self.runc.resume(&self.id).await?;
+        let later = init.phase.for_resume().map(std::mem::take);
         self.set_state(&mut init, next);
-        let locked = self.gpu_locked.lock().expect("gpu_locked lock").take();
-        if let Some(q) = locked {
+        let later = later.unwrap_or_default();
+        if let Some(q) = later.locked {
             q.unlock().await?;
             tracing::info!(id = %self.id, "GPU unlocked on resume");
         }
-        let pending = self.hook_pending.lock().expect("hook_pending lock").take();
-        if let Some(h) = pending {
+        if let Some(h) = later.hook {
             crate::checkpoint::blocking("hook", move || h.give_back()).await??;
             tracing::info!(id = %self.id, "hook memory given back on resume");
         }
@@ -803,7 +799,7 @@ impl Container {
 
     pub async fn update(&self, resources: &Any) -> Result<()> {
         let init = self.init.lock().await;
-        init.state.next(TaskVerb::Update)?;
+        init.state().next(TaskVerb::Update)?;
         let path = self.bundle.join("update-resources.json");
         std::fs::write(&path, &resources.value).ctx(|| format!("writing {}", path.display()))?;
         let res = self.runc.update(&self.id, &path).await;
@@ -814,7 +810,7 @@ impl Container {
     /// Delete the init process: runc delete, unmount, stop stdio. Returns its exit.
     pub async fn delete(&self) -> Result<ExitInfo> {
         let mut init = self.init.lock().await;
-        let from = init.state;
+        let from = init.state();
         let next = from.next(TaskVerb::Delete)?;
         match from {
             InitState::CreatedCheckpoint => {}
@@ -874,7 +870,7 @@ impl Container {
 
     async fn record_init_exit(&self, status: i32, at: SystemTime) -> Option<ExitInfo> {
         let mut init = self.init.lock().await;
-        let was = init.state;
+        let was = init.state();
         match was.next(TaskVerb::Exit) {
             Ok(next) => self.set_state(&mut init, next),
             Err(_) => return None, // deleted already: reported by Delete
@@ -906,7 +902,7 @@ impl Container {
     }
 
     pub async fn add_exec(&self, exec_id: &str, spec: Any, stdio: StdioSpec) -> Result<()> {
-        self.init.lock().await.state.next(TaskVerb::Exec)?;
+        self.init.lock().await.state().next(TaskVerb::Exec)?;
         let mut execs = self.execs.lock().expect("execs lock");
         if execs.contains_key(exec_id) {
             return Err(Error::AlreadyExists(format!("{}/{exec_id}", self.id)));

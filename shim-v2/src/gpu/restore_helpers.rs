@@ -110,13 +110,14 @@ pub struct ProcessHelpers {
 
 impl RestoreHelpers {
     /// Before `runc restore`: starts the helpers for every process of `record` whose
-    /// image they can take, each sent its job. Never fails: what cannot be done is
-    /// logged and the copy-in stages it.
+    /// image they can take, each sent its job. `driver_bytes`: what the driver restores
+    /// next to them. Never fails: what cannot be done is logged and the copy-in stages it.
     pub fn start(
         id: &str,
         image: &Path,
         bundle: &Path,
         record: &HookRecord,
+        driver_bytes: u64,
         spawner: &Spawner,
     ) -> RestoreHelpers {
         let mut out = RestoreHelpers {
@@ -152,7 +153,7 @@ impl RestoreHelpers {
             .into_iter()
             .find(|g| g.uuid == uuid)
             .and_then(|g| g.memory_free_bytes);
-        if let Err(why) = room_for_contexts(free, image, record, contexts) {
+        if let Err(why) = room_for_contexts(free, driver_bytes, record, contexts) {
             tracing::info!(id, reason = %why, "no copy-in helpers");
             return out;
         }
@@ -254,18 +255,14 @@ const CONTEXT_BYTES: u64 = 1 << 30;
 /// while the process's memory is created again, and must not make that fail.
 fn room_for_contexts(
     free: Option<u64>,
-    image: &Path,
+    driver_bytes: u64,
     record: &HookRecord,
     contexts: usize,
 ) -> Result<(), String> {
     let Some(free) = free else {
         return Ok(());
     };
-    let driver = crate::gpu::driver::load_record(image)
-        .ok()
-        .flatten()
-        .map_or(0, |r| r.device_memory_estimate_bytes());
-    let need = record.device_bytes() + driver + contexts as u64 * CONTEXT_BYTES;
+    let need = record.device_bytes() + driver_bytes + contexts as u64 * CONTEXT_BYTES;
     if free < need {
         return Err(format!(
             "the GPU has {} MiB free, and the restore plus {contexts} helper contexts need \
@@ -496,7 +493,6 @@ mod tests {
 
     #[test]
     fn helpers_need_room_for_their_contexts_next_to_the_restored_memory() {
-        let image = tempfile::tempdir().unwrap();
         let process = |bytes| crate::gpu::hook::ProcessRecord {
             host_pid: 1,
             ns_pid: 1,
@@ -518,11 +514,11 @@ mod tests {
             fallbacks: Vec::new(),
         };
         let gib = |n: u64| Some(n << 30);
-        assert!(room_for_contexts(gib(30), image.path(), &record, 4).is_ok());
-        let err = room_for_contexts(gib(26), image.path(), &record, 4).unwrap_err();
+        assert!(room_for_contexts(gib(30), 0, &record, 4).is_ok());
+        let err = room_for_contexts(gib(26), 0, &record, 4).unwrap_err();
         assert!(err.contains("26624 MiB free"), "{err}");
         // Free memory unknown (no NVML): started.
-        assert!(room_for_contexts(None, image.path(), &record, 4).is_ok());
+        assert!(room_for_contexts(None, 0, &record, 4).is_ok());
     }
 
     #[test]
