@@ -57,6 +57,17 @@ impl Faulty {
         self.ctd.wait_counter_above(id, 2).unwrap()
     }
 
+    /// A counter `id`, checkpointed into the content store as `docker.io/gpucr/faults-<tag>:<id>`
+    /// and removed, ready for restores: the reference and the counter at the checkpoint.
+    fn checkpointed_counter(&self, id: &str, tag: &str) -> (String, u64) {
+        self.counter(id);
+        let reference = format!("docker.io/gpucr/faults-{tag}:{id}");
+        self.ctd.container_checkpoint(id, &reference, true).unwrap();
+        let checkpointed = self.ctd.read_counter(id).unwrap();
+        self.ctd.remove_container(id).unwrap();
+        (reference, checkpointed)
+    }
+
     /// `ctr container checkpoint --task --rw` (ctr pauses the task around it).
     fn checkpoint(&self, id: &str, tag: &str) -> gpucr_tests::Output {
         self.ctd
@@ -431,11 +442,7 @@ fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
         return;
     };
     let id = unique_id("flt-runcrs");
-    f.counter(&id);
-    let reference = format!("docker.io/gpucr/faults-runcrs:{id}");
-    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
-    let checkpointed = f.ctd.read_counter(&id).unwrap();
-    f.ctd.remove_container(&id).unwrap();
+    let (reference, checkpointed) = f.checkpointed_counter(&id, "runcrs");
     f.criu.arm(CriuFault::KillRuncAt(MID_RESTORE));
     let out = f
         .ctd
@@ -553,11 +560,7 @@ fn every_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
         return;
     };
     let id = unique_id("flt-fprs");
-    f.counter(&id);
-    let reference = format!("docker.io/gpucr/faults-fprs:{id}");
-    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
-    let checkpointed = f.ctd.read_counter(&id).unwrap();
-    f.ctd.remove_container(&id).unwrap();
+    let (reference, checkpointed) = f.checkpointed_counter(&id, "fprs");
     for point in RESTORE_POINTS {
         points.fail(point);
         let out = f
@@ -626,11 +629,7 @@ fn the_shim_killed_at_each_restore_failpoint_leaves_nothing_and_the_checkpoint_r
         return;
     };
     let id = unique_id("flt-shimfprs");
-    f.counter(&id);
-    let reference = format!("docker.io/gpucr/faults-shimfprs:{id}");
-    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
-    let checkpointed = f.ctd.read_counter(&id).unwrap();
-    f.ctd.remove_container(&id).unwrap();
+    let (reference, checkpointed) = f.checkpointed_counter(&id, "shimfprs");
     for point in RESTORE_POINTS {
         points.pause(point);
         let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
@@ -692,11 +691,7 @@ fn containerd_restarted_mid_restore_leaves_nothing_and_the_checkpoint_restores()
         return;
     };
     let id = unique_id("flt-ctdrs");
-    f.counter(&id);
-    let reference = format!("docker.io/gpucr/faults-ctdrs:{id}");
-    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
-    let checkpointed = f.ctd.read_counter(&id).unwrap();
-    f.ctd.remove_container(&id).unwrap();
+    let (reference, checkpointed) = f.checkpointed_counter(&id, "ctdrs");
     let point = "restore.before-criu";
     points.pause(point);
     let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
