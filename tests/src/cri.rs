@@ -16,7 +16,7 @@ use serde_json::json;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use crate::error::{HarnessError, Result};
-use crate::image::{image_manifest, sha256_digest, Blob, BusyboxImage, MEDIA_CONFIG};
+use crate::image::{image_manifest, Blob, BusyboxImage, MEDIA_CONFIG};
 use crate::registry::Registry;
 
 /// The annotation containerd (2.1+) looks for on a checkpoint OCI image.
@@ -401,19 +401,20 @@ pub fn push_test_images(registry: &Registry) -> Result<(String, String)> {
 /// is the archive, the annotation on the manifest. Pushed as `<repository>:<tag>`.
 pub fn push_checkpoint_image(
     registry: &Registry,
-    archive: &[u8],
+    archive: Vec<u8>,
     container_name: &str,
     repository: &str,
     tag: &str,
 ) -> Result<String> {
-    let layer = Blob::new(MEDIA_LAYER_TAR, archive.to_vec());
+    // An uncompressed layer's diff_id is its digest: hashed once.
+    let layer = Blob::new(MEDIA_LAYER_TAR, archive);
     // The platform of the images the harness builds (busybox's).
     let base: serde_json::Value = serde_json::from_slice(&BusyboxImage::get()?.config.bytes)?;
     let config = json!({
         "architecture": base["architecture"],
         "os": "linux",
         "config": {},
-        "rootfs": { "type": "layers", "diff_ids": [sha256_digest(archive)] },
+        "rootfs": { "type": "layers", "diff_ids": [layer.digest] },
     });
     let config = Blob::new(MEDIA_CONFIG, serde_json::to_vec(&config)?);
     let annotations = json!({ CHECKPOINT_ANNOTATION: container_name });

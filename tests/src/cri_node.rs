@@ -150,7 +150,7 @@ impl CriNode {
         tag: &str,
     ) -> String {
         let bytes = std::fs::read(archive).expect("read the archive");
-        cri::push_checkpoint_image(&self.registry, &bytes, container, repository, tag)
+        cri::push_checkpoint_image(&self.registry, bytes, container, repository, tag)
             .expect("checkpoint image")
     }
 

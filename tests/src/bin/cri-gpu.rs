@@ -30,7 +30,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use gpucr_tests::cri::{self, api, CriClient, Handler, MEDIA_LAYER_TAR};
-use gpucr_tests::image::{image_manifest, sha256_digest, Blob, BusyboxImage, MEDIA_CONFIG};
+use gpucr_tests::image::{image_manifest, Blob, BusyboxImage, MEDIA_CONFIG};
 use gpucr_tests::registry::Registry;
 use gpucr_tests::{Cmd, Containerd, Daemon, StartOptions};
 use serde_json::{json, Value};
@@ -198,8 +198,9 @@ fn push_rootfs_image(
     env: &[String],
 ) -> Result<()> {
     let base: Value = serde_json::from_slice(&BusyboxImage::get()?.config.bytes)?;
-    let diff_id = sha256_digest(&layer);
+    // An uncompressed layer's diff_id is its digest: hashed once.
     let layer = Blob::new(MEDIA_LAYER_TAR, layer);
+    let diff_id = layer.digest.clone();
     let config = json!({
         "architecture": base["architecture"],
         "os": "linux",
@@ -435,7 +436,7 @@ impl Scenario {
                 let bytes = std::fs::read(archive)?;
                 let image = cri::push_checkpoint_image(
                     &node.registry,
-                    &bytes,
+                    bytes,
                     "workload",
                     &format!("gpucr/checkpoint-{}", self.name),
                     "1",
