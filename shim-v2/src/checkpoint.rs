@@ -32,23 +32,6 @@ use crate::{
     runc::CheckpointOpts,
 };
 
-/// CRIU errors that appear in every run on some hosts and never cause a failure.
-const HARMLESS_CRIU_ERRORS: [&str; 1] = ["rlimit: Can't setup RLIMIT_NOFILE for self"];
-
-/// First error line CRIU wrote to a dump or restore log (known-harmless lines skipped), in
-/// the log's last `criu_log::TAIL_BYTES`; a line naming an errno an operator can act on
-/// (a full disk) wins over CRIU's later `exited, status=2`.
-pub fn criu_first_error(log: &Path) -> Option<String> {
-    let text = crate::criu_log::tail(log, crate::criu_log::TAIL_BYTES)?;
-    if let Some((_, line)) = crate::criu_log::Cause::find(&text) {
-        return Some(line);
-    }
-    text.lines()
-        .filter(|l| l.contains("Error (") || l.starts_with("Error"))
-        .find(|l| !HARMLESS_CRIU_ERRORS.iter().any(|h| l.contains(h)))
-        .map(|l| l.trim().to_string())
-}
-
 /// What a checkpoint holds of the task between the hook's copy-out and the records: the
 /// processes whose memory the hook moved, the CUDA processes the driver locked, and a
 /// paused task thawed for CRIU's CUDA plugin. Every failure gives it all back
@@ -153,16 +136,6 @@ impl Held {
         };
         (record, resumed, self.later)
     }
-}
-
-/// Runs `f` on a blocking thread (`what`: whose worker, for a panic's error).
-pub(crate) async fn blocking<T: Send + 'static>(
-    what: &'static str,
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(gpu::GpuError::panicked(what))
 }
 
 impl Container {
@@ -304,7 +277,7 @@ impl Container {
             let _ = std::fs::copy(&log, &kept);
             let tail = crate::criu_log::tail(&log, crate::criu_log::TAIL_BYTES);
             let cause = tail.as_deref().and_then(crate::criu_log::Cause::find);
-            let mut msg = match (&e, cause, criu_first_error(&log)) {
+            let mut msg = match (&e, cause, crate::criu_log::first_error(&log)) {
                 (Error::TimedOut { .. }, _, _) => format!(
                     "{e} (deadline: {}); CRIU's dump was cut short",
                     deadline.source
@@ -488,7 +461,7 @@ impl Container {
         let pids = gpu::nvidia_pids(&self.runc.ps(&self.id).await?);
         let sockets = hook_spec::socket_dir(&self.bundle);
         let (id, image) = (self.id.clone(), image.to_path_buf());
-        let copied = blocking("hook", move || {
+        let copied = crate::gpu::blocking("hook", move || {
             let processes = gpu_hook::find(&sockets, &pids);
             gpu_hook::copy_out(&id, &processes, &image, keep, running)
         });
@@ -520,7 +493,7 @@ impl Container {
             return (Some(h.record()), Ok(()));
         }
         if write && state != InitState::Paused {
-            let given = blocking("hook", move || {
+            let given = crate::gpu::blocking("hook", move || {
                 let given = h.give_back_and_write();
                 (h.images_complete().then(|| h.record()), given)
             });
@@ -535,7 +508,7 @@ impl Container {
             later.hook = Some(h);
             return (Some(record), Ok(()));
         }
-        let given = blocking("hook", move || h.give_back());
+        let given = crate::gpu::blocking("hook", move || h.give_back());
         let given = self
             .with_thawed(state, "the hook's give-back", false, given)
             .await;
@@ -624,25 +597,5 @@ impl Container {
         } else {
             TaskLeft::Running
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn criu_error_line_is_found() {
-        let dir = tempfile::tempdir().unwrap();
-        let log = dir.path().join("dump.log");
-        std::fs::write(
-            &log,
-            "(00.001) Version: 4.1\n(00.04) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping\n(00.3) Error (x): later\n",
-        )
-        .unwrap();
-        assert_eq!(
-            criu_first_error(&log).unwrap(),
-            "(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping"
-        );
     }
 }

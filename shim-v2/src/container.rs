@@ -22,7 +22,7 @@ use crate::{
         driver::{self as gpu, GpuConfig},
         hook::{self as gpu_hook, spec as hook_spec, HookRecord},
         host,
-        restore_helpers::RestoreHelpers,
+        restore_helpers::{HelperChoice, RestoreHelpers},
     },
     io::{IoOwner, PendingIo, StdioSpec},
     options::RuntimeOptions,
@@ -304,6 +304,7 @@ impl Container {
         let deadlines = Deadlines::from_annotations(&annotations)?;
         let mut gpu_pairs = Vec::new();
         let mut records = Records::default();
+        let mut helpers = HelperChoice::NotWanted;
         let hook;
         if let Some(image) = &cfg.checkpoint {
             // The hook's images back in their directories (a checkpoint leaves them flat);
@@ -320,7 +321,7 @@ impl Container {
             })?;
             // Reads the whole image (chunk hashes): off the async workers.
             let (id, at) = (cfg.id.clone(), image.clone());
-            tokio::task::spawn_blocking(move || crate::manifest::validate_image(&id, &at))
+            records = tokio::task::spawn_blocking(move || Records::read_checked(&id, &at))
                 .await
                 .map_err(|e| Error::Restore {
                     id: cfg.id.clone(),
@@ -333,7 +334,6 @@ impl Container {
                 image: image.clone(),
                 source: Box::new(e),
             };
-            records = Records::read(image).map_err(refuse)?;
             if let Some(record) = &records.gpu {
                 // The device needs room for what the driver restores and what the hooks
                 // copy back in.
@@ -356,6 +356,8 @@ impl Container {
                         "the restore gets its own cgroup");
                 }
             }
+            // On the spec as the restore will run it (this host's GPU, the hook's mounts).
+            helpers = HelperChoice::choose(&cfg.bundle, records.hook.as_ref());
         } else {
             // One read and (when something changed) one write of config.json for both.
             let config = cfg.bundle.join("config.json");
@@ -391,6 +393,7 @@ impl Container {
                     },
                     records: std::mem::take(&mut records),
                     gpu_pairs: std::mem::take(&mut gpu_pairs),
+                    helpers: std::mem::replace(&mut helpers, HelperChoice::NotWanted),
                 })
             }
             None => {
@@ -546,16 +549,21 @@ impl Container {
         }
         // Started alongside `runc restore` (opening the image and planning take ~35 ms on
         // the H200): they pin their shares of the image while CRIU restores.
-        let starting = match plan.records.hook.clone() {
-            Some(record) => {
+        let starting = match (&plan.helpers, plan.hook_copy_in()) {
+            (HelperChoice::NotWanted, _) | (_, None) => None,
+            (HelperChoice::Unavailable(why), Some(_)) => {
+                tracing::info!(id = %self.id, reason = %why, "no copy-in helpers");
+                None
+            }
+            (choice @ HelperChoice::On { .. }, Some(record)) => {
                 let (id, image) = (self.id.clone(), r.checkpoint.image_path.clone());
-                let (bundle, spawner) = (self.bundle.clone(), self.runc.spawner.clone());
+                let (choice, record) = (choice.clone(), record.clone());
+                let spawner = self.runc.spawner.clone();
                 let driver_bytes = plan.driver_bytes();
                 Some(tokio::task::spawn_blocking(move || {
-                    RestoreHelpers::start(&id, &image, &bundle, &record, driver_bytes, &spawner)
+                    RestoreHelpers::start(&id, &image, &choice, &record, driver_bytes, &spawner)
                 }))
             }
-            None => None,
         };
         let mut helpers = None;
         let res = async {
@@ -623,7 +631,7 @@ impl Container {
                     .work_path
                     .as_deref()
                     .map(|w| w.join("restore.log"))
-                    .and_then(|log| crate::checkpoint::criu_first_error(&log).map(|l| (log, l)));
+                    .and_then(|log| crate::criu_log::first_error(&log).map(|l| (log, l)));
                 let msg = match (&e, criu) {
                     (Error::TimedOut { .. }, _) => format!(
                         "{e} (deadline: {}); nothing of the restore was left running; CRIU's \
@@ -746,7 +754,7 @@ impl Container {
             tracing::info!(id = %self.id, "GPU unlocked on resume");
         }
         if let Some(h) = later.hook {
-            crate::checkpoint::blocking("hook", move || h.give_back()).await??;
+            crate::gpu::blocking("hook", move || h.give_back()).await??;
             tracing::info!(id = %self.id, "hook memory given back on resume");
         }
         Ok(())
@@ -927,13 +935,7 @@ impl Container {
 
     async fn run_exec(&self, p: &ExecProcess, on_pid: impl FnOnce(u32)) -> Result<u32> {
         let mut inner = p.inner.lock().await;
-        let next = inner
-            .state
-            .next(TaskVerb::Start)
-            .map_err(|e| Error::Runtime {
-                op: "exec start",
-                msg: e.to_string(),
-            })?;
+        let next = inner.state.next(TaskVerb::Start)?;
         let process_json = self.bundle.join(format!("exec-{}.json", p.exec_id));
         let pid_file = self.bundle.join(format!("exec-{}.pid", p.exec_id));
         std::fs::write(
@@ -990,13 +992,7 @@ impl Container {
 
     pub async fn delete_exec(&self, p: &ExecProcess) -> Result<ExitInfo> {
         let mut inner = p.inner.lock().await;
-        let next = inner
-            .state
-            .next(TaskVerb::Delete)
-            .map_err(|e| Error::Runtime {
-                op: "exec delete",
-                msg: e.to_string(),
-            })?;
+        let next = inner.state.next(TaskVerb::Delete)?;
         inner.io.shutdown();
         inner.state = next;
         drop(inner);

@@ -96,6 +96,23 @@ pub fn free_bytes(dir: &Path) -> Option<u64> {
     Some(st.blocks_available() as u64 * st.fragment_size() as u64)
 }
 
+/// CRIU errors that appear in every run on some hosts and never cause a failure.
+const HARMLESS_CRIU_ERRORS: [&str; 1] = ["rlimit: Can't setup RLIMIT_NOFILE for self"];
+
+/// First error line CRIU wrote to a dump or restore log (known-harmless lines skipped), in
+/// the log's last `criu_log::TAIL_BYTES`; a line naming an errno an operator can act on
+/// (a full disk) wins over CRIU's later `exited, status=2`.
+pub fn first_error(log: &Path) -> Option<String> {
+    let text = tail(log, TAIL_BYTES)?;
+    if let Some((_, line)) = Cause::find(&text) {
+        return Some(line);
+    }
+    text.lines()
+        .filter(|l| l.contains("Error (") || l.starts_with("Error"))
+        .find(|l| !HARMLESS_CRIU_ERRORS.iter().any(|h| l.contains(h)))
+        .map(|l| l.trim().to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +140,20 @@ mod tests {
         let msg = cause.describe(&[dir.path()]);
         assert!(msg.starts_with("the checkpoint's disk is full: "), "{msg}");
         assert!(msg.ends_with(" bytes free"), "{msg}");
+    }
+
+    #[test]
+    fn criu_error_line_is_found() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("dump.log");
+        std::fs::write(
+            &log,
+            "(00.001) Version: 4.1\n(00.04) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping\n(00.3) Error (x): later\n",
+        )
+        .unwrap();
+        assert_eq!(
+            first_error(&log).unwrap(),
+            "(00.2) Error (criu/proc_parse.c:632): Can't handle non-regular mapping"
+        );
     }
 }

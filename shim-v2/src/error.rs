@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use containerd_shim_protos::ttrpc::{self, Code};
 
-use crate::process::state::StateError;
+use crate::process::state::{ExecStateError, StateError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -18,6 +18,8 @@ pub enum Error {
     AlreadyExists(String),
     #[error(transparent)]
     State(#[from] StateError),
+    #[error(transparent)]
+    ExecState(#[from] ExecStateError),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("{op} failed: {msg}")]
@@ -69,7 +71,7 @@ pub enum Error {
         msg: String,
     },
     #[error("GPU: {0}")]
-    Gpu(#[source] Box<crate::gpu::driver::GpuError>),
+    Gpu(#[source] Box<crate::gpu::error::GpuError>),
     #[error("GPU hook: {0}")]
     Hook(#[from] crate::gpu::hook::HookError),
     #[error(transparent)]
@@ -172,9 +174,10 @@ impl Error {
         match self {
             Error::ContainerNotFound(_) | Error::ProcessNotFound { .. } => Code::NOT_FOUND,
             Error::AlreadyExists(_) => Code::ALREADY_EXISTS,
-            Error::State(_) | Error::InitExited { .. } | Error::ShimCgroup { .. } => {
-                Code::FAILED_PRECONDITION
-            }
+            Error::State(_)
+            | Error::ExecState(_)
+            | Error::InitExited { .. }
+            | Error::ShimCgroup { .. } => Code::FAILED_PRECONDITION,
             Error::InvalidArgument(_) | Error::Decode { .. } => Code::INVALID_ARGUMENT,
             Error::Unsupported(_) => Code::UNIMPLEMENTED,
             Error::TimedOut { .. } => Code::DEADLINE_EXCEEDED,
@@ -210,8 +213,8 @@ impl From<Error> for ttrpc::Error {
     }
 }
 
-impl From<crate::gpu::driver::GpuError> for Error {
-    fn from(e: crate::gpu::driver::GpuError) -> Self {
+impl From<crate::gpu::error::GpuError> for Error {
+    fn from(e: crate::gpu::error::GpuError) -> Self {
         Error::Gpu(Box::new(e))
     }
 }
@@ -228,7 +231,7 @@ impl From<protobuf::Error> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::process::state::{InitState, TaskVerb};
+    use crate::process::state::{ExecState, InitState, TaskVerb};
 
     fn code_of(e: Error) -> Code {
         match ttrpc::Error::from(e) {
@@ -258,6 +261,13 @@ mod tests {
             code_of(Error::State(StateError {
                 from: InitState::Stopped,
                 verb: TaskVerb::Pause
+            })),
+            Code::FAILED_PRECONDITION
+        );
+        assert_eq!(
+            code_of(Error::ExecState(ExecStateError {
+                from: ExecState::Running,
+                verb: TaskVerb::Start
             })),
             Code::FAILED_PRECONDITION
         );

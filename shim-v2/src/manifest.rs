@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     error::{Error, IoContext, Result},
-    gpu::hook::{self as gpu_hook, HookRecord},
+    gpu::hook as gpu_hook,
     layout,
 };
 
@@ -269,8 +269,9 @@ pub fn image_bytes(image: &Path) -> u64 {
 }
 
 /// Refuses an image that is missing, not a CRIU image, or does not match its manifest:
-/// every file present at its size, every hashed chunk at its hash, the hook's images
-/// through their own hashes. Reads the whole image; blocks (call it off the async runtime).
+/// every file present at its size, every hashed chunk at its hash (the hook's images are
+/// checked through their own hashes by `Records::read_checked`, which calls this first).
+/// Reads the whole image; blocks (call it off the async runtime).
 pub fn validate_image(id: &str, image: &Path) -> Result<()> {
     let refuse = |msg: String| Error::Restore {
         id: id.to_string(),
@@ -358,10 +359,6 @@ pub fn validate_image(id: &str, image: &Path) -> Result<()> {
     let bytes: u64 = files.iter().map(|f| f.size).sum();
     tracing::info!(%id, bytes, elapsed_ms = started.elapsed().as_millis() as u64,
         "checkpoint image verified against its manifest");
-    // The hook's images: every chunk against its checksum, before anything changes.
-    if let Some(record) = HookRecord::load(image).map_err(|e| refuse(e.to_string()))? {
-        record.validate(image).map_err(|e| refuse(e.to_string()))?;
-    }
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //! - `runtimeoptions.v1.Options`: what CRI sends to a non-runc runtime; its `config_body` is
 //!   the TOML of the runtime's `options` table (Go field names: `BinaryName`, `SystemdCgroup`…).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use containerd_shim_protos::{
     protobuf::{well_known_types::any::Any, CodedInputStream, Message},
@@ -14,7 +14,10 @@ use containerd_shim_protos::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, IoContext, Result};
+
+/// Written at Create so that `delete` (run when the shim is gone) uses the same runc.
+const OPTIONS_FILE: &str = "gpucr-options.json";
 
 /// The runc options that the shim honours, whatever type they came in.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -29,6 +32,23 @@ pub struct RuntimeOptions {
     pub criu_image_path: String,
     pub criu_work_path: String,
     pub shim_cgroup: String,
+}
+
+impl RuntimeOptions {
+    /// Keeps the options in the bundle for `shim delete`, which runs without them.
+    pub fn write_to_bundle(&self, bundle: &Path) -> Result<()> {
+        let path = bundle.join(OPTIONS_FILE);
+        let text = serde_json::to_vec(self).expect("options serialize");
+        std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
+    }
+
+    /// What [`RuntimeOptions::write_to_bundle`] kept; the defaults when nothing was.
+    pub fn read_from_bundle(bundle: &Path) -> RuntimeOptions {
+        std::fs::read(bundle.join(OPTIONS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
 }
 
 /// What one checkpoint asked for.
@@ -362,6 +382,17 @@ fn lossy(b: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_survive_for_delete() {
+        let dir = tempfile::tempdir().unwrap();
+        let o = RuntimeOptions {
+            binary_name: "crun".into(),
+            ..Default::default()
+        };
+        o.write_to_bundle(dir.path()).unwrap();
+        assert_eq!(RuntimeOptions::read_from_bundle(dir.path()), o);
+    }
     use containerd_shim_protos::protobuf::CodedOutputStream;
 
     fn any(type_url: &str, value: Vec<u8>) -> Any {

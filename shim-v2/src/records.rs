@@ -3,11 +3,11 @@
 //!
 //! | file | written by | read by |
 //! | --- | --- | --- |
-//! | [`HOOK_IMAGES`]`/<ns pid>/` | the hook, at CopyOut or WriteSnapshot (gpu-state's image format) | the hook, at a restore's copy-in; checked at Create ([`HookRecord::validate`]) |
+//! | [`HOOK_IMAGES`]`/<ns pid>/` | the hook, at CopyOut or WriteSnapshot (gpu-state's image format) | the hook, at a restore's copy-in; checked at Create ([`Records::read_checked`]) |
 //! | [`GPU`] | `gpu::driver` (gpu-state's `GpuCheckpointRecord`), after the dump | Create ([`Records::read`]: the compatibility check, how many CUDA processes Start must find) |
 //! | [`HOOK`] | `gpu::hook` ([`HookRecord`]), after the dump and the give-back | Create ([`Records::read`]: hook mounts, device memory, the copy-in and its helpers) |
 //! | [`HOST`] | `gpu::host` through `gpucr-cdi`, after the give-back | Create (`gpu::host::plan_restore`) |
-//! | [`CHECKPOINT`] | `manifest::write_manifest`, last of all | Create, before anything else (`manifest::validate_image`) |
+//! | [`CHECKPOINT`] | `manifest::write_manifest`, last of all | Create, before anything else ([`Records::read_checked`]) |
 //! | [`PLUGIN_GPUS`] | gpucr's CRIU plugin at the dump (`criu-plugin/src/gpus.rs`) | that plugin at a restore; the shim only hashes it |
 //!
 //! A finished checkpoint is flat: the hook's images are folded into top-level files
@@ -17,7 +17,7 @@ use std::path::Path;
 
 use gpu_state::GpuCheckpointRecord;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::gpu::hook::HookRecord;
 
 /// Every file of the image, sizes and per-chunk hashes: the image check.
@@ -47,6 +47,26 @@ impl Records {
             hook: HookRecord::load(image)?,
             gpu: crate::gpu::driver::load_record(image)?,
         })
+    }
+
+    /// Create's one pass over an image: every file against gpucr's manifest
+    /// (`manifest::validate_image`), then the records, read once, then the hook's images
+    /// through their own hashes (named by the hook record). Blocks: it reads the whole image.
+    pub fn read_checked(id: &str, image: &Path) -> Result<Records> {
+        crate::manifest::validate_image(id, image)?;
+        let records = Records::read(image).map_err(|e| Error::RestoreRefused {
+            id: id.to_string(),
+            image: image.to_path_buf(),
+            source: Box::new(e),
+        })?;
+        if let Some(hook) = &records.hook {
+            hook.validate(image).map_err(|e| Error::Restore {
+                id: id.to_string(),
+                image: image.to_path_buf(),
+                msg: e.to_string(),
+            })?;
+        }
+        Ok(records)
     }
 }
 

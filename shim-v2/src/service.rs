@@ -33,7 +33,7 @@ use tokio::{
 };
 
 use crate::{
-    error::{Error, IoContext, Result},
+    error::{Error, Result},
     events::{timestamp, Publisher},
     options::{self, RuntimeOptions},
     reaper::{Reaper, Spawner},
@@ -47,8 +47,6 @@ const GROUP_ANNOTATIONS: [&str; 2] = [
     "io.containerd.gpucr.v2.group",
     "io.kubernetes.cri.sandbox-id",
 ];
-/// Written at Create so that `delete` (run when the shim is gone) uses the same runc.
-const OPTIONS_FILE: &str = "gpucr-options.json";
 /// The serving shim's socket address, in the bundle; the crate removes the socket it names
 /// when the shim exits.
 const ADDRESS_FILE: &str = "address";
@@ -128,19 +126,6 @@ pub struct Service {
     namespace: String,
     debug: bool,
     exit: Arc<ExitSignal>,
-}
-
-pub fn write_bundle_options(bundle: &Path, opts: &RuntimeOptions) -> Result<()> {
-    let path = bundle.join(OPTIONS_FILE);
-    let text = serde_json::to_vec(opts).expect("options serialize");
-    std::fs::write(&path, text).ctx(|| format!("writing {}", path.display()))
-}
-
-fn read_bundle_options(bundle: &Path) -> RuntimeOptions {
-    std::fs::read(bundle.join(OPTIONS_FILE))
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default()
 }
 
 /// The shim group of the container whose bundle is `bundle`: its pod, or itself.
@@ -416,7 +401,7 @@ impl containerd_shim::Shim for Service {
     async fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
         let bundle =
             std::env::current_dir().map_err(|e| containerd_shim::Error::Other(e.to_string()))?;
-        let opts = read_bundle_options(&bundle);
+        let opts = RuntimeOptions::read_from_bundle(&bundle);
         let runc = Runc {
             binary: opts.binary().to_string(),
             root: opts.runc_root(&self.namespace),
@@ -506,17 +491,6 @@ mod tests {
         )
         .unwrap();
         assert_eq!(grouping(dir.path(), "c1"), "pod-1");
-    }
-
-    #[test]
-    fn options_survive_for_delete() {
-        let dir = tempfile::tempdir().unwrap();
-        let o = RuntimeOptions {
-            binary_name: "crun".into(),
-            ..Default::default()
-        };
-        write_bundle_options(dir.path(), &o).unwrap();
-        assert_eq!(read_bundle_options(dir.path()), o);
     }
 
     fn start_opts(id: &str) -> StartOpts {

@@ -284,7 +284,7 @@ impl TaskService {
         let opts = RuntimeOptions::decode(req.options.as_ref())?;
         move_into_shim_cgroup(&req.id, &opts.shim_cgroup)?;
         let bundle = PathBuf::from(&req.bundle);
-        crate::service::write_bundle_options(&bundle, &opts)?;
+        opts.write_to_bundle(&bundle)?;
         let non_empty = |s: &str| Some(PathBuf::from(s)).filter(|p| !p.as_os_str().is_empty());
         let cfg = CreateConfig {
             id: req.id.clone(),

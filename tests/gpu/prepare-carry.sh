@@ -5,10 +5,13 @@
 #                `sleep` after CRIU)
 #   carry/bin/   containerd-shim-gpucr-v2, libgpucr_criu_plugin.so, libgpucr_hook.so and shim-ckpt
 #                (release builds; shim-ckpt: h200-e2e.sh's scenario s)
-# usage: tests/gpu/prepare-carry.sh [--no-build] [--cri]
+# usage: tests/gpu/prepare-carry.sh [--no-build] [--cri] [--bin-into DIR]
 #   --cri  for tests/gpu/h200-cri.sh instead: containerd 2.x (Debian sid's) and checkpointctl
 #          (trixie's) in place of containerd 1.7, both from tests/containerd2.sh's download
 #          directory (run it first), and the cri-gpu driver in carry/bin (xz)
+#   --bin-into DIR  only the product's binaries (shim, CRIU plugin, hook, gpucr-copyin) into
+#          DIR/bin, nothing else: another build's side for tests/gpu/h200-ab.sh, e.g.
+#          CARGO_TARGET_DIR=/work/before-target prepare-carry.sh --no-build --bin-into carry-before
 # The release binaries come from $CARGO_TARGET_DIR/release (default target/release); they are
 # built first unless --no-build is given. carry/ is git-ignored; the device tool takes it along
 # when `carry` names it. Needs apt sources for trixie (see install/deps.sh) and bookworm.
@@ -18,12 +21,15 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
 build=1
 cri=0
-for a in "$@"; do
-  case $a in
+bin_into=""
+while [ $# -gt 0 ]; do
+  case $1 in
     --no-build) build=0 ;;
     --cri) cri=1 ;;
-    *) echo "usage: $0 [--no-build] [--cri]" >&2; exit 2 ;;
+    --bin-into) bin_into=${2:?--bin-into needs a directory}; shift ;;
+    *) echo "usage: $0 [--no-build] [--cri] [--bin-into DIR]" >&2; exit 2 ;;
   esac
+  shift
 done
 
 # Packages that run on the GPU machine when extracted with dpkg -x (see shared/notes/gpu-facts.md).
@@ -42,6 +48,20 @@ if [ "$build" = 1 ]; then
   echo "== cargo build --release (target dir $target)"
   CARGO_TARGET_DIR=$target cargo build --release -p containerd-shim-gpucr-v2 -p gpucr-criu-plugin -p gpucr-hook-preload
   CARGO_TARGET_DIR=$target cargo build --release -p gpucr-tests --bin shim-ckpt --bin cri-gpu
+fi
+product_bins=(containerd-shim-gpucr-v2 libgpucr_criu_plugin.so libgpucr_hook.so gpucr-copyin)
+if [ -n "$bin_into" ]; then
+  git check-ignore -q "$bin_into/" || { echo "error: $bin_into/ is not git-ignored" >&2; exit 1; }
+  rm -rf "$bin_into/bin"
+  mkdir -p "$bin_into/bin"
+  for b in "${product_bins[@]}"; do
+    [ -f "$target/release/$b" ] || { echo "error: $target/release/$b missing" >&2; exit 1; }
+    cp "$target/release/$b" "$bin_into/bin/"
+  done
+  strip "$bin_into"/bin/* 2>/dev/null || true
+  xz -T0 -6 -f "$bin_into/bin/containerd-shim-gpucr-v2"
+  ls -l "$bin_into/bin"
+  exit 0
 fi
 if [ "$cri" = 1 ]; then
   # containerd 2.x in place of 1.7: the device tool's 64 MiB do not hold both.

@@ -23,65 +23,12 @@ use std::{
 };
 
 use gpu_state::{
-    check_compatibility, CheckpointApi, CompatibilityError, CudaDriver, DriverError,
-    GpuCheckpointRecord, GpuPair, GpuProcessSet, Inventory, OrchestrationError, RecordError,
-    StepTimeouts,
+    check_compatibility, CheckpointApi, CudaDriver, GpuCheckpointRecord, GpuPair, GpuProcessSet,
+    Inventory, StepTimeouts,
 };
 
 use crate::error::{Error, Result};
-
-/// The driver path's errors, each with gpu-state's own as its source.
-#[derive(Debug, thiserror::Error)]
-pub enum GpuError {
-    #[error(
-        "the container uses NVIDIA devices but libcuda.so.1 cannot be loaded on this host \
-         (install the NVIDIA driver r570+ or set GPUCR_LIBCUDA)"
-    )]
-    NoLibcuda,
-    #[error(transparent)]
-    Driver(#[from] DriverError),
-    /// Finding the CUDA processes among the candidates.
-    #[error(transparent)]
-    Discover(OrchestrationError),
-    /// A step on every CUDA process (gpu-state rolled them back).
-    #[error("{step}: {source}")]
-    Step {
-        step: &'static str,
-        #[source]
-        source: OrchestrationError,
-    },
-    #[error("writing GPU record: {0}")]
-    WriteRecord(#[source] RecordError),
-    #[error("the image's GPU record is damaged: {0}")]
-    DamagedRecord(#[source] RecordError),
-    /// This host cannot take the checkpoint's GPU state.
-    #[error(transparent)]
-    Incompatible(#[from] CompatibilityError),
-    /// The checkpoint's CUDA processes were not all found after CRIU's restore.
-    #[error(
-        "the checkpoint holds GPU state of {expected} CUDA processes, but only {found} \
-         were found after CRIU's restore: their device memory cannot be given back"
-    )]
-    Missing { expected: usize, found: usize },
-    /// A blocking worker of the GPU layer (`what`: GPU or hook) panicked.
-    #[error("{what} worker panicked: {source}")]
-    Panicked {
-        what: &'static str,
-        #[source]
-        source: tokio::task::JoinError,
-    },
-}
-
-impl GpuError {
-    fn step(step: &'static str) -> impl FnOnce(OrchestrationError) -> GpuError {
-        move |source| GpuError::Step { step, source }
-    }
-
-    /// A worker's panic, as the error of what it ran.
-    pub fn panicked(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> Error {
-        move |source| GpuError::Panicked { what, source }.into()
-    }
-}
+pub use crate::gpu::error::GpuError;
 
 /// Annotation: `auto` (default, = `shim`), `shim` or `plugin` — who quiesces CUDA processes.
 pub const QUIESCE_ANNOTATION: &str = "io.gpucr.gpu-quiesce";
@@ -187,10 +134,9 @@ fn driver() -> Result<Arc<dyn CheckpointApi>> {
     }
 }
 
+/// Runs `f` on a blocking thread; a panic is the GPU worker's error.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(GpuError::panicked("GPU"))?
+    crate::gpu::blocking("GPU", f).await?
 }
 
 /// CUDA processes locked and checkpointed for one container checkpoint.

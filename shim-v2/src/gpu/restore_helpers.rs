@@ -49,6 +49,54 @@ const JOB_WAIT: Duration = Duration::from_secs(5);
 /// How long a helper may take to exit once nobody holds its socket.
 const EXIT_GRACE: Duration = Duration::from_secs(5);
 
+/// Whether a restore starts copy-in helpers, decided once at Create from the spec as the
+/// restore runs it and the image's hook record, and carried to Start in the restore's plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HelperChoice {
+    /// Nothing for helpers to do (no memory moved through the hook), or turned off
+    /// ([`HELPERS_ANNOTATION`] or [`HELPERS_ENV`] 0).
+    NotWanted,
+    /// Wanted, but this host cannot run them; why (logged at Start).
+    Unavailable(String),
+    /// `per_process` helpers for each process, the program at `path`, on GPU `uuid`.
+    On {
+        per_process: usize,
+        path: PathBuf,
+        uuid: String,
+    },
+}
+
+impl HelperChoice {
+    pub fn choose(bundle: &Path, record: Option<&HookRecord>) -> HelperChoice {
+        if record.is_none_or(|r| r.processes.is_empty()) {
+            return HelperChoice::NotWanted;
+        }
+        let spec = match gpucr_cdi::read_oci_spec(&bundle.join("config.json")) {
+            Ok(spec) => spec,
+            Err(e) => return HelperChoice::Unavailable(format!("the spec cannot be read: {e}")),
+        };
+        let per_process = helper_count(&spec);
+        if per_process == 0 {
+            return HelperChoice::NotWanted;
+        }
+        let path = copyin_path();
+        if !path.is_file() {
+            return HelperChoice::Unavailable(format!(
+                "the helper is not installed at {}",
+                path.display()
+            ));
+        }
+        match helper_gpu(&spec, Path::new(NVIDIA_GPUS)) {
+            Ok(uuid) => HelperChoice::On {
+                per_process,
+                path,
+                uuid,
+            },
+            Err(why) => HelperChoice::Unavailable(why),
+        }
+    }
+}
+
 /// One helper: its process, our end of its socket, and its job.
 struct Started {
     pid: u32,
@@ -112,10 +160,13 @@ impl RestoreHelpers {
     /// Before `runc restore`: starts the helpers for every process of `record` whose
     /// image they can take, each sent its job. `driver_bytes`: what the driver restores
     /// next to them. Never fails: what cannot be done is logged and the copy-in stages it.
+    /// Starts the helpers `choice` names for every process of `record`, unless the GPU has
+    /// no room for their contexts next to what the restore gives back (the moment's free
+    /// memory, so checked here rather than at Create).
     pub fn start(
         id: &str,
         image: &Path,
-        bundle: &Path,
+        choice: &HelperChoice,
         record: &HookRecord,
         driver_bytes: u64,
         spawner: &Spawner,
@@ -124,40 +175,25 @@ impl RestoreHelpers {
             id: id.to_string(),
             ..RestoreHelpers::default()
         };
-        let spec = match gpucr_cdi::read_oci_spec(&bundle.join("config.json")) {
-            Ok(spec) => spec,
-            Err(e) => {
-                tracing::info!(id, error = %e, "no copy-in helpers: the spec cannot be read");
-                return out;
-            }
-        };
-        let n = helper_count(&spec);
-        if n == 0 || record.processes.is_empty() {
+        let HelperChoice::On {
+            per_process: n,
+            path,
+            uuid,
+        } = choice
+        else {
             return out;
-        }
-        let path = copyin_path();
-        if !path.is_file() {
-            tracing::info!(id, path = %path.display(), "no copy-in helpers: the helper is not installed");
-            return out;
-        }
-        let uuid = match helper_gpu(&spec, Path::new(NVIDIA_GPUS)) {
-            Ok(uuid) => uuid,
-            Err(why) => {
-                tracing::info!(id, reason = %why, "no copy-in helpers");
-                return out;
-            }
         };
         let contexts = n * record.processes.len();
         let free = Inventory::gather()
             .gpus
             .into_iter()
-            .find(|g| g.uuid == uuid)
+            .find(|g| &g.uuid == uuid)
             .and_then(|g| g.memory_free_bytes);
         if let Err(why) = room_for_contexts(free, driver_bytes, record, contexts) {
             tracing::info!(id, reason = %why, "no copy-in helpers");
             return out;
         }
-        out.start_processes(image, record, n, &path, &uuid, spawner);
+        out.start_processes(image, record, *n, path, uuid, spawner);
         out
     }
 
@@ -491,9 +527,8 @@ mod tests {
         assert_eq!(helper_gpu(&none, gpus.path()).unwrap(), a);
     }
 
-    #[test]
-    fn helpers_need_room_for_their_contexts_next_to_the_restored_memory() {
-        let process = |bytes| crate::gpu::hook::ProcessRecord {
+    fn process(bytes: u64) -> crate::gpu::hook::ProcessRecord {
+        crate::gpu::hook::ProcessRecord {
             host_pid: 1,
             ns_pid: 1,
             allocations: 1,
@@ -506,7 +541,11 @@ mod tests {
             gpu_paused_ms: 0,
             prepared: false,
             prepare_ms: 0,
-        };
+        }
+    }
+
+    #[test]
+    fn helpers_need_room_for_their_contexts_next_to_the_restored_memory() {
         let record = HookRecord {
             version: 1,
             injected: true,
@@ -519,6 +558,44 @@ mod tests {
         assert!(err.contains("26624 MiB free"), "{err}");
         // Free memory unknown (no NVML): started.
         assert!(room_for_contexts(None, 0, &record, 4).is_ok());
+    }
+
+    #[test]
+    fn the_choice_is_made_from_the_record_and_the_spec() {
+        let bundle = tempfile::tempdir().unwrap();
+        let with = |annotations: serde_json::Value| {
+            let spec = serde_json::json!({"ociVersion": "1.0.2", "annotations": annotations});
+            std::fs::write(bundle.path().join("config.json"), spec.to_string()).unwrap();
+        };
+        let moved = HookRecord {
+            version: 1,
+            injected: true,
+            processes: vec![process(1 << 30)],
+            fallbacks: Vec::new(),
+        };
+        let none = HookRecord {
+            processes: Vec::new(),
+            ..moved.clone()
+        };
+        with(serde_json::json!({HELPERS_ANNOTATION: "2"}));
+        assert_eq!(
+            HelperChoice::choose(bundle.path(), None),
+            HelperChoice::NotWanted
+        );
+        assert_eq!(
+            HelperChoice::choose(bundle.path(), Some(&none)),
+            HelperChoice::NotWanted
+        );
+        // Wanted, and the helper is not beside the test binary.
+        match HelperChoice::choose(bundle.path(), Some(&moved)) {
+            HelperChoice::Unavailable(why) => assert!(why.contains("not installed"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        with(serde_json::json!({HELPERS_ANNOTATION: "0"}));
+        assert_eq!(
+            HelperChoice::choose(bundle.path(), Some(&moved)),
+            HelperChoice::NotWanted
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use crate::{
     gpu::{
         driver::Quiesced,
         hook::{HookCheckpoint, HookRecord},
+        restore_helpers::HelperChoice,
     },
     io::ProcessIo,
     process::state::InitState,
@@ -104,6 +105,8 @@ pub struct RestorePlan {
     pub records: Records,
     /// Old→new GPU pairs for the driver's restore when the container moved GPUs.
     pub gpu_pairs: Vec<GpuPair>,
+    /// Whether Start starts copy-in helpers for the hook's copy-in, and on which GPU.
+    pub helpers: HelperChoice,
 }
 
 impl RestorePlan {
