@@ -89,7 +89,7 @@ mod tests {
     use serde_json::Value;
 
     fn checkpoint(store: &Store, name: &str, chunks: &[&[u8]]) {
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let refs = chunks
             .iter()
             .map(|c| w.put_chunk(c).unwrap().chunk)
@@ -126,7 +126,7 @@ mod tests {
     fn a_gc_during_a_checkpoint_keeps_its_unpublished_chunks() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let c = w.put_chunk(b"in flight").unwrap().chunk;
         let gc_store = store.clone();
         let gc = std::thread::spawn(move || gc_store.gc(&Retention::default()).unwrap());

@@ -13,8 +13,11 @@
 //! - [`Store::gc`] and [`Retention`]: what is kept ([`gc`]); [`Store::validate`]: every chunk
 //!   against its digest ([`validate`]).
 //! - [`Remote`]: the shared store other nodes reach; `push` and `pull` ([`remote`]).
+//! - [`dir::ingest`] and [`dir::materialize`]: a checkpoint directory by reference, its large
+//!   files in the store and a small [`DirRef`] in their place ([`dir`]).
 
 pub mod digest;
+pub mod dir;
 pub mod error;
 pub mod gc;
 pub mod manifest;
@@ -25,6 +28,7 @@ pub mod validate;
 pub mod writer;
 
 pub use digest::Digest;
+pub use dir::{DirRef, IngestOptions, Ingested, RefMode};
 pub use error::{Result, StoreError};
 pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};

@@ -138,7 +138,7 @@ impl Remote {
         let missing = local.missing_chunks(&manifest);
         t.chunks_present = unique(&manifest).len() as u64 - missing.len() as u64;
         let total: u64 = missing.iter().map(|c| c.len).sum();
-        let mut writer = local.writer()?;
+        let writer = local.writer()?;
         let mut gets = futures::stream::iter(missing)
             .map(|c| async move {
                 let bytes = self.get(&chunk_object(&c.digest)).await?;
@@ -267,7 +267,7 @@ mod tests {
         let node_a = Store::open(a.path()).unwrap();
         let node_b = Store::open(b.path()).unwrap();
         let remote = Remote::filesystem(shared.path()).unwrap();
-        let mut w = node_a.writer().unwrap();
+        let w = node_a.writer().unwrap();
         let refs: Vec<_> = [&b"layer0"[..], b"layer1", b"layer0"]
             .iter()
             .map(|c| w.put_chunk(c).unwrap().chunk)
@@ -281,7 +281,7 @@ mod tests {
         assert_eq!((again.bytes, again.chunks_present), (0, 2));
 
         // Node B already has one chunk (the same model): only the other crosses.
-        let mut w = node_b.writer().unwrap();
+        let w = node_b.writer().unwrap();
         w.put_chunk(b"layer0").unwrap();
         drop(w);
         let pulled = rt.block_on(remote.pull(&node_b, "ctr/1", 4)).unwrap();
@@ -303,7 +303,7 @@ mod tests {
         let node_a = Store::open(a.path()).unwrap();
         let node_b = Store::open(b.path()).unwrap();
         let remote = Remote::filesystem(shared.path()).unwrap();
-        let mut w = node_a.writer().unwrap();
+        let w = node_a.writer().unwrap();
         let c = w.put_chunk(b"weights").unwrap().chunk;
         w.publish("ctr/1", vec![c], serde_json::Value::Null)
             .unwrap();

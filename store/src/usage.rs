@@ -77,7 +77,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
         for replica in 0..8 {
-            let mut w = store.writer().unwrap();
+            let w = store.writer().unwrap();
             let weights = w.put_chunk(&[7u8; 1000]).unwrap().chunk;
             let own = w
                 .put_chunk(format!("kv-cache-{replica}").as_bytes())

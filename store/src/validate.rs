@@ -82,7 +82,7 @@ mod tests {
     fn names_damaged_and_missing_chunks() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let good = w.put_chunk(b"good").unwrap().chunk;
         let bad = w.put_chunk(b"will rot").unwrap().chunk;
         let gone = w.put_chunk(b"will vanish").unwrap().chunk;

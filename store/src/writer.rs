@@ -3,6 +3,7 @@
 //! holds it exclusive) never sees a chunk that is written but not yet referenced.
 
 use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use nix::fcntl::{Flock, FlockArg};
@@ -23,7 +24,8 @@ pub struct Put {
 pub struct Writer<'s> {
     store: &'s Store,
     _lock: Flock<File>,
-    written_bytes: u64,
+    /// Shared by the threads of one checkpoint's writes (`put_chunk_as` takes `&self`).
+    written_bytes: AtomicU64,
 }
 
 impl Store {
@@ -32,20 +34,20 @@ impl Store {
         Ok(Writer {
             store: self,
             _lock: self.lock(FlockArg::LockShared)?,
-            written_bytes: 0,
+            written_bytes: AtomicU64::new(0),
         })
     }
 }
 
 impl Writer<'_> {
     /// Stores `bytes` under their digest unless the store holds them already.
-    pub fn put_chunk(&mut self, bytes: &[u8]) -> Result<Put> {
+    pub fn put_chunk(&self, bytes: &[u8]) -> Result<Put> {
         self.put_chunk_as(Digest::of(bytes), bytes)
     }
 
     /// [`Self::put_chunk`] for a caller that has hashed `bytes` already (e.g. while copying
-    /// them); `digest` must be BLAKE3 of `bytes`.
-    pub fn put_chunk_as(&mut self, digest: Digest, bytes: &[u8]) -> Result<Put> {
+    /// them); `digest` must be BLAKE3 of `bytes`. Several threads may put at once.
+    pub fn put_chunk_as(&self, digest: Digest, bytes: &[u8]) -> Result<Put> {
         let chunk = ChunkRef {
             digest,
             len: bytes.len() as u64,
@@ -61,14 +63,14 @@ impl Writer<'_> {
         std::fs::write(&tmp, bytes).map_err(crate::error::io("cannot write chunk", &tmp))?;
         let written = publish(&tmp, &self.store.chunk_path(&digest))?;
         if written {
-            self.written_bytes += chunk.len;
+            self.written_bytes.fetch_add(chunk.len, Ordering::Relaxed);
         }
         Ok(Put { chunk, written })
     }
 
     /// Bytes this writer added to the store (chunks it found present are not counted).
     pub fn written_bytes(&self) -> u64 {
-        self.written_bytes
+        self.written_bytes.load(Ordering::Relaxed)
     }
 
     /// Publishes manifest `name` listing `chunks`, after making every chunk durable. Every
@@ -122,7 +124,7 @@ mod tests {
     fn equal_bytes_are_written_once() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let a = w.put_chunk(b"weights").unwrap();
         let b = w.put_chunk(b"weights").unwrap();
         assert!(a.written && !b.written);
@@ -138,7 +140,7 @@ mod tests {
         assert_eq!(store.manifest("c1/1").unwrap(), m);
         assert_eq!(store.read_chunk(&a.chunk).unwrap(), b"weights");
         // A second checkpoint of the same bytes writes nothing.
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         assert!(!w.put_chunk(b"weights").unwrap().written);
         assert_eq!(w.written_bytes(), 0);
     }
@@ -147,7 +149,7 @@ mod tests {
     fn manifests_are_immutable_and_need_their_chunks() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let c = w.put_chunk(b"x").unwrap().chunk;
         w.publish("c/1", vec![c], serde_json::Value::Null).unwrap();
         let w = store.writer().unwrap();

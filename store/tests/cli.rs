@@ -28,7 +28,7 @@ fn ls_validate_gc_push_pull() {
     );
     let store = Store::open(node_a.path()).unwrap();
     for n in 1..=3 {
-        let mut w = store.writer().unwrap();
+        let w = store.writer().unwrap();
         let weights = w.put_chunk(&vec![1u8; 1 << 20]).unwrap().chunk;
         let step = w
             .put_chunk(format!("optimizer step {n}").as_bytes())

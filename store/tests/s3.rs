@@ -86,7 +86,7 @@ fn a_checkpoint_moves_between_nodes_through_s3() {
     let s3 = start_s3("ckpts");
     let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let node_a = Store::open(a.path()).unwrap();
-    let mut w = node_a.writer().unwrap();
+    let w = node_a.writer().unwrap();
     let weights = w.put_chunk(&vec![3u8; 4 << 20]).unwrap().chunk;
     let kv = w.put_chunk(b"kv cache").unwrap().chunk;
     let m = w

@@ -1,0 +1,448 @@
+//! A checkpoint directory by reference: its large files' bytes go into the store as chunks,
+//! and the directory keeps [`REF_FILE`], which names the store manifest that lists them. What
+//! containerd tars (and kubelet archives) is then the small files; a restore puts the large
+//! ones back from the store ([`materialize`]) before anything reads the directory.
+//!
+//! `gpucr export DIR` is [`materialize`] (a self-contained directory again, for copying or
+//! `ctr image push`); `gpucr import DIR` is [`ingest`].
+//!
+//! Files are cut into [`CHUNK_SIZE`] slices at fixed offsets, so equal bytes at equal offsets
+//! (unchanged weights in a second checkpoint, replicas of one model) are equal chunks, written
+//! once.
+
+use std::fs::{self, File};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+use crate::digest::Digest;
+use crate::error::{io, Result, StoreError};
+use crate::manifest::{ChunkRef, Manifest};
+use crate::store::{sync_dir, write_synced, Store};
+
+/// The reference a by-reference checkpoint directory keeps in place of its large files.
+pub const REF_FILE: &str = "gpucr-store.json";
+pub const REF_FORMAT: &str = "gpucr-store-ref";
+pub const REF_VERSION: u32 = 1;
+/// The slice size: the checkpoint manifest's hash chunk (`shim-v2/src/manifest.rs`), so one
+/// chunk's digest is also that manifest's hash of the same bytes.
+pub const CHUNK_SIZE: u64 = 8 << 20;
+
+/// Where a by-reference checkpoint's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RefMode {
+    /// The writing node's store only: restorable on that node.
+    Local,
+    /// Also pushed to a shared store other nodes reach.
+    Shared,
+}
+
+/// [`REF_FILE`]'s content.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DirRef {
+    pub format: String,
+    pub version: u32,
+    pub mode: RefMode,
+    /// The store that holds the manifest (its `STORE` id) and the node it is on.
+    pub store_id: String,
+    pub node: String,
+    /// The store manifest listing every chunk, file by file in `files` order.
+    pub manifest: String,
+    /// The shared store it was pushed to (a path or URL, as configured there), if any.
+    #[serde(default)]
+    pub shared: Option<String>,
+    pub files: Vec<FileRef>,
+}
+
+/// One file the directory gave to the store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRef {
+    pub name: String,
+    pub size: u64,
+}
+
+impl FileRef {
+    fn chunks(&self) -> usize {
+        self.size.div_ceil(CHUNK_SIZE) as usize
+    }
+}
+
+impl DirRef {
+    /// The bytes of every file given to the store.
+    pub fn bytes(&self) -> u64 {
+        self.files.iter().map(|f| f.size).sum()
+    }
+
+    /// Reads `dir`'s reference; `Ok(None)` when the directory is self-contained.
+    pub fn read(dir: &Path) -> Result<Option<DirRef>> {
+        let path = dir.join(REF_FILE);
+        let text = match fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io("cannot read", &path)(e)),
+        };
+        let bad = |reason: String| StoreError::BadManifest {
+            path: path.clone(),
+            reason,
+        };
+        let r: DirRef = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
+        if r.format != REF_FORMAT {
+            return Err(bad(format!("format {:?} is not {REF_FORMAT:?}", r.format)));
+        }
+        if r.version > REF_VERSION {
+            return Err(bad(format!(
+                "version {} is newer than this gpucr reads ({REF_VERSION}); upgrade gpucr",
+                r.version
+            )));
+        }
+        Ok(Some(r))
+    }
+}
+
+/// What [`ingest`] gives to the store.
+#[derive(Debug, Clone)]
+pub struct IngestOptions {
+    /// Files of at least this many bytes go to the store; smaller ones stay in the directory.
+    pub min_size: u64,
+    pub mode: RefMode,
+    /// Recorded in the reference for messages on other nodes (the caller pushes).
+    pub shared: Option<String>,
+    /// Threads hashing and writing chunks.
+    pub threads: usize,
+}
+
+/// What [`ingest`] did.
+#[derive(Debug, Clone)]
+pub struct Ingested {
+    pub dir_ref: DirRef,
+    /// Bytes this ingest wrote to the store (the rest were there already).
+    pub written_bytes: u64,
+    pub chunks: usize,
+}
+
+/// Gives `dir`'s large files to `store` under manifest `name`, writes [`REF_FILE`] and only
+/// then removes the files. On any error before the reference is durable the directory is
+/// unchanged (the chunks already written stay, unreferenced, for `gc`).
+pub fn ingest(store: &Store, dir: &Path, name: &str, opts: &IngestOptions) -> Result<Ingested> {
+    if dir.join(REF_FILE).exists() {
+        return Err(StoreError::BadManifest {
+            path: dir.join(REF_FILE),
+            reason: "the directory is by reference already".into(),
+        });
+    }
+    let mut files = Vec::new();
+    for entry in fs::read_dir(dir).map_err(io("cannot list", dir))? {
+        let entry = entry.map_err(io("cannot list", dir))?;
+        let md = entry.metadata().map_err(io("cannot stat", entry.path()))?;
+        let Some(fname) = entry.file_name().to_str().map(str::to_string) else {
+            continue;
+        };
+        if md.is_file() && md.len() >= opts.min_size.max(1) {
+            files.push(FileRef {
+                name: fname,
+                size: md.len(),
+            });
+        }
+    }
+    files.sort_by(|a, b| a.name.cmp(&b.name));
+    let writer = store.writer()?;
+    let mut chunks = Vec::with_capacity(files.iter().map(FileRef::chunks).sum());
+    for f in &files {
+        chunks.extend(put_file(&writer, &dir.join(&f.name), f, opts.threads)?);
+    }
+    let written_bytes = writer.written_bytes();
+    let meta = serde_json::json!({ "files": files, "chunk_size": CHUNK_SIZE });
+    let manifest = writer.publish(name, chunks, meta)?;
+    let dir_ref = DirRef {
+        format: REF_FORMAT.into(),
+        version: REF_VERSION,
+        mode: opts.mode,
+        store_id: store.id().to_string(),
+        node: hostname(),
+        manifest: name.to_string(),
+        shared: opts.shared.clone(),
+        files,
+    };
+    let tmp = dir.join(format!(".{REF_FILE}.tmp"));
+    write_synced(
+        &tmp,
+        &serde_json::to_vec_pretty(&dir_ref).expect("reference serialises"),
+    )?;
+    let path = dir.join(REF_FILE);
+    fs::rename(&tmp, &path).map_err(io("cannot publish", &path))?;
+    sync_dir(dir)?;
+    for f in &dir_ref.files {
+        let p = dir.join(&f.name);
+        fs::remove_file(&p).map_err(io("cannot remove", &p))?;
+    }
+    Ok(Ingested {
+        dir_ref,
+        written_bytes,
+        chunks: manifest.chunks.len(),
+    })
+}
+
+/// Hashes and puts `file`'s slices on `threads` threads; its chunk references in order.
+fn put_file(
+    writer: &crate::writer::Writer<'_>,
+    path: &Path,
+    f: &FileRef,
+    threads: usize,
+) -> Result<Vec<ChunkRef>> {
+    let file = File::open(path).map_err(io("cannot open", path))?;
+    let n = f.chunks();
+    let out = Mutex::new(vec![None; n]);
+    let next = AtomicUsize::new(0);
+    let first_err = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, n.max(1)) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; CHUNK_SIZE as usize];
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n || first_err.lock().unwrap().is_some() {
+                        return;
+                    }
+                    let off = i as u64 * CHUNK_SIZE;
+                    let len = CHUNK_SIZE.min(f.size - off) as usize;
+                    let put = file
+                        .read_exact_at(&mut buf[..len], off)
+                        .map_err(io("cannot read", path))
+                        .and_then(|()| writer.put_chunk_as(Digest::of(&buf[..len]), &buf[..len]));
+                    match put {
+                        Ok(p) => out.lock().unwrap()[i] = Some(p.chunk),
+                        Err(e) => {
+                            first_err.lock().unwrap().get_or_insert(e);
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().unwrap() {
+        return Err(e);
+    }
+    Ok(out
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .map(|c| c.expect("every slice put"))
+        .collect())
+}
+
+/// Puts `dir`'s referenced files back from `store` (each written under a temporary name and
+/// renamed into place) and removes [`REF_FILE`]: the directory is self-contained again.
+/// `Ok(None)`: it was already. Every chunk must be present (a caller pulls missing ones from
+/// a shared store first); nothing in `dir` changes when one is not.
+pub fn materialize(store: &Store, dir: &Path, threads: usize) -> Result<Option<DirRef>> {
+    let Some(r) = DirRef::read(dir)? else {
+        return Ok(None);
+    };
+    let manifest = store.manifest(&r.manifest)?;
+    check_matches(&r, &manifest, &dir.join(REF_FILE))?;
+    store.require_chunks(&manifest)?;
+    let mut at = 0;
+    for f in &r.files {
+        let chunks = &manifest.chunks[at..at + f.chunks()];
+        at += f.chunks();
+        let target = dir.join(&f.name);
+        let tmp = dir.join(format!(".{}.gpucr-tmp", f.name));
+        let res = fill_file(store, &tmp, f.size, chunks, threads);
+        if let Err(e) = res {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        fs::rename(&tmp, &target).map_err(io("cannot rename into place", &target))?;
+    }
+    let path = dir.join(REF_FILE);
+    fs::remove_file(&path).map_err(io("cannot remove", &path))?;
+    Ok(Some(r))
+}
+
+/// The manifest lists exactly the reference's files, slice by slice.
+fn check_matches(r: &DirRef, m: &Manifest, path: &Path) -> Result<()> {
+    let bad = |reason: String| StoreError::BadManifest {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let want: usize = r.files.iter().map(FileRef::chunks).sum();
+    if want != m.chunks.len() {
+        return Err(bad(format!(
+            "its files need {want} chunks, store manifest {} lists {}",
+            r.manifest,
+            m.chunks.len()
+        )));
+    }
+    let mut at = 0;
+    for f in &r.files {
+        let len: u64 = m.chunks[at..at + f.chunks()].iter().map(|c| c.len).sum();
+        at += f.chunks();
+        if len != f.size {
+            return Err(bad(format!(
+                "{} is {} bytes, its chunks in {} are {len}",
+                f.name, f.size, r.manifest
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes `chunks` into a new file `path` of `size` bytes at their offsets, on `threads`
+/// threads, by `copy_file_range` (in the kernel; a read and write where it is refused).
+fn fill_file(
+    store: &Store,
+    path: &Path,
+    size: u64,
+    chunks: &[ChunkRef],
+    threads: usize,
+) -> Result<()> {
+    let out = File::create(path).map_err(io("cannot create", path))?;
+    out.set_len(size).map_err(io("cannot size", path))?;
+    let next = AtomicUsize::new(0);
+    let first_err = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, chunks.len().max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= chunks.len() || first_err.lock().unwrap().is_some() {
+                    return;
+                }
+                let src = store.chunk_path(&chunks[i].digest);
+                if let Err(e) = copy_chunk(&src, &out, i as u64 * CHUNK_SIZE, chunks[i].len) {
+                    first_err.lock().unwrap().get_or_insert(e);
+                    return;
+                }
+            });
+        }
+    });
+    match first_err.into_inner().unwrap() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+fn copy_chunk(src: &PathBuf, out: &File, offset: u64, len: u64) -> Result<()> {
+    let f = File::open(src).map_err(io("cannot open chunk", src))?;
+    let (mut off_in, mut off_out, mut left) = (0i64, offset as i64, len as usize);
+    while left > 0 {
+        match nix::fcntl::copy_file_range(&f, Some(&mut off_in), out, Some(&mut off_out), left) {
+            Ok(0) => break,
+            Ok(n) => left -= n,
+            Err(nix::errno::Errno::EINTR) => continue,
+            // Across filesystems on old kernels, or a filesystem without it.
+            Err(_) => {
+                let mut buf = vec![0u8; left];
+                f.read_exact_at(&mut buf, off_in as u64)
+                    .map_err(io("cannot read chunk", src))?;
+                out.write_all_at(&buf, off_out as u64)
+                    .map_err(io("cannot write", src))?;
+                left = 0;
+            }
+        }
+    }
+    if left > 0 {
+        return Err(io("chunk is shorter than its reference", src)(
+            std::io::ErrorKind::UnexpectedEof.into(),
+        ));
+    }
+    Ok(())
+}
+
+fn hostname() -> String {
+    fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> IngestOptions {
+        IngestOptions {
+            min_size: 1 << 20,
+            mode: RefMode::Local,
+            shared: None,
+            threads: 3,
+        }
+    }
+
+    /// Bytes that do not repeat at any 8 MiB stride (no slice equals another).
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len as u64)
+            .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ seed)
+            .collect()
+    }
+
+    #[test]
+    fn large_files_go_to_the_store_and_come_back() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let big = pattern(20 << 20, 1);
+        let other = pattern((3 << 20) + 5, 2);
+        std::fs::write(dir.path().join("pages-1.img"), &big).unwrap();
+        std::fs::write(dir.path().join("gpu-hook.7.data-000.bin"), &other).unwrap();
+        std::fs::write(dir.path().join("inventory.img"), b"small").unwrap();
+        let got = ingest(&store, dir.path(), "c1/1", &opts()).unwrap();
+        assert_eq!(got.dir_ref.files.len(), 2);
+        assert_eq!(got.chunks, 3 + 1);
+        assert!(!dir.path().join("pages-1.img").exists());
+        assert!(dir.path().join("inventory.img").exists());
+        assert_eq!(DirRef::read(dir.path()).unwrap().unwrap(), got.dir_ref);
+
+        let r = materialize(&store, dir.path(), 2).unwrap().unwrap();
+        assert_eq!(r.bytes(), (big.len() + other.len()) as u64);
+        assert_eq!(std::fs::read(dir.path().join("pages-1.img")).unwrap(), big);
+        assert_eq!(
+            std::fs::read(dir.path().join("gpu-hook.7.data-000.bin")).unwrap(),
+            other
+        );
+        assert!(!dir.path().join(REF_FILE).exists());
+        assert!(materialize(&store, dir.path(), 2).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_second_checkpoint_writes_only_what_changed() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let mut bytes = pattern(32 << 20, 3);
+        let first = tempfile::tempdir().unwrap();
+        std::fs::write(first.path().join("pages-1.img"), &bytes).unwrap();
+        let a = ingest(&store, first.path(), "c1/1", &opts()).unwrap();
+        assert_eq!(a.written_bytes, 32 << 20);
+        // One byte changed in the third 8 MiB slice: one chunk is new.
+        bytes[(16 << 20) + 9] ^= 0xff;
+        let second = tempfile::tempdir().unwrap();
+        std::fs::write(second.path().join("pages-1.img"), &bytes).unwrap();
+        let b = ingest(&store, second.path(), "c1/2", &opts()).unwrap();
+        assert_eq!(b.written_bytes, 8 << 20);
+        materialize(&store, second.path(), 4).unwrap();
+        assert_eq!(
+            std::fs::read(second.path().join("pages-1.img")).unwrap(),
+            bytes
+        );
+    }
+
+    #[test]
+    fn a_missing_chunk_changes_nothing() {
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = Store::open(store_dir.path()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), pattern(10 << 20, 4)).unwrap();
+        ingest(&store, dir.path(), "c1/1", &opts()).unwrap();
+        let m = store.manifest("c1/1").unwrap();
+        std::fs::remove_file(store.chunk_path(&m.chunks[1].digest)).unwrap();
+        let before: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        let e = materialize(&store, dir.path(), 2).unwrap_err();
+        assert!(matches!(e, StoreError::ChunkMissing { .. }), "{e}");
+        let after: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(before.len(), after.len());
+        assert!(dir.path().join(REF_FILE).exists());
+    }
+}
