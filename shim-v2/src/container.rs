@@ -526,6 +526,7 @@ impl Container {
     ) -> Result<(u32, crate::io::ProcessIo)> {
         let r = &plan.opts;
         let started = std::time::Instant::now();
+        let since = crate::restore_cgroup::boot_ticks();
         let (child, pending) =
             PendingIo::prepare(&self.stdio, self.io_owner(), &self.runc.spawner)?;
         let mut r = r.clone();
@@ -612,6 +613,16 @@ impl Container {
                 // Leave nothing half-created: runc may have registered the container, or,
                 // killed mid-way, left its CRIU mount of the rootfs without registering it.
                 let _ = self.runc.delete(&self.id, true).await;
+                // The tree CRIU forked, wherever it is (on cgroup v2, in the checkpoint's
+                // cgroup), then anything else in this restore's own cgroup.
+                if let Some(work) = &r.checkpoint.work_path {
+                    let log = work.join("restore.log");
+                    let tree = crate::restore_cgroup::kill_restored_tree(&log, since);
+                    if !tree.is_empty() {
+                        tracing::info!(id = %self.id, ?tree,
+                            "killed the tree the failed restore forked (CRIU's log names its root)");
+                    }
+                }
                 let orphans = crate::restore_cgroup::kill_spec_cgroup(&self.bundle);
                 if !orphans.is_empty() {
                     tracing::info!(id = %self.id, ?orphans,

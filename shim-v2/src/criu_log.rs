@@ -3,11 +3,32 @@
 //! Also the causes an operator can act on (a full disk, no memory), named from the errno
 //! texts CRIU logs, instead of CRIU's last `exited, status=2` line.
 
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{BufRead, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// How much of a log's end is read: CRIU's error lines are the last ones it writes.
 pub const TAIL_BYTES: u64 = 64 * 1024;
+
+/// How much of a restore log's start is searched for the root CRIU forked: it comes after
+/// the images are read, before any memory is restored.
+pub const HEAD_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The root of the tree a restore forked, as CRIU logs it right after the fork (debug level,
+/// which runc asks for): `PID: real <pid on the host> virt <pid in its own namespace>`, from
+/// the first [`HEAD_BYTES`] of `log`.
+pub fn restored_root(log: &Path) -> Option<(i32, i32)> {
+    let f = std::fs::File::open(log).ok()?;
+    std::io::BufReader::new(f.take(HEAD_BYTES))
+        .split(b'\n')
+        .map_while(Result::ok)
+        .find_map(|line| {
+            let line = String::from_utf8_lossy(&line);
+            let mut w = line[line.find("PID: real ")? + "PID: real ".len()..].split_whitespace();
+            let real = w.next()?.parse().ok()?;
+            let virt = (w.next()? == "virt").then(|| w.next())??.parse().ok()?;
+            Some((real, virt))
+        })
+}
 
 /// The last `max` bytes of `path` (lossy UTF-8), starting at a line boundary.
 pub fn tail(path: &Path, max: u64) -> Option<String> {
@@ -127,6 +148,23 @@ mod tests {
         let t = tail(&log, 100).unwrap();
         assert_eq!(t, "last line\n");
         assert!(tail(&log, TAIL_BYTES).unwrap().len() as u64 <= TAIL_BYTES);
+    }
+
+    #[test]
+    fn the_restored_root_is_read_from_the_log_head() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("restore.log");
+        std::fs::write(
+            &log,
+            "(00.010) Forking task with 1 pid (flags 0x6c028000)\n\
+             (00.011) PID: real 4242 virt 1\n\
+             (00.012)      1: PID: real 4243 virt 7\n",
+        )
+        .unwrap();
+        assert_eq!(restored_root(&log), Some((4242, 1)));
+        std::fs::write(&log, "(00.010) Forking task with 1 pid\n").unwrap();
+        assert_eq!(restored_root(&log), None);
+        assert_eq!(restored_root(&dir.path().join("none.log")), None);
     }
 
     #[test]

@@ -14,6 +14,10 @@
 //! `linux.cgroupsPath` names the checkpointed container's cgroup: two restores of one
 //! checkpoint would get one cgroup on both versions. `rename_spec_cgroup` gives the restored
 //! container its own at Create.
+//!
+//! A restore that fails mid-way (runc killed, a deadline) leaves what CRIU had forked:
+//! `kill_restored_tree` kills it by the root CRIU's log names, wherever CRIU put it, and
+//! `kill_spec_cgroup` whatever else is in the restore's own cgroup.
 
 use std::path::{Path, PathBuf};
 
@@ -76,7 +80,7 @@ pub fn rename_spec_cgroup(
 /// shim before runc registered the container, so `runc delete` does not know them. The
 /// spec's path is this restore's own (see `rename_spec_cgroup`). On cgroup v2, CRIU puts
 /// restored tasks into the checkpoint's cgroup instead (see the module doc), which is
-/// never touched here.
+/// never touched here: [`kill_restored_tree`] finds those.
 pub fn kill_spec_cgroup(bundle: &Path) -> Vec<i32> {
     let Some(want) = spec_cgroup_suffix(bundle) else {
         return Vec::new();
@@ -102,6 +106,66 @@ pub fn kill_spec_cgroup(bundle: &Path) -> Vec<i32> {
         );
     }
     killed
+}
+
+/// Now, in the clock ticks of `/proc/<pid>/stat`'s start time (since boot): taken before a
+/// restore, to tell what it forked from anything older.
+pub fn boot_ticks() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime(2) writes the timespec it is given.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) } != 0 {
+        return u64::MAX;
+    }
+    // SAFETY: sysconf(3) has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ts.tv_sec as u64 * hz + ts.tv_nsec as u64 * hz / 1_000_000_000
+}
+
+/// SIGKILLs the tree a failed restore forked, wherever CRIU put it (#27): on cgroup v2 that
+/// is the cgroup recorded in the image, which may be the running original's, where
+/// [`kill_spec_cgroup`] does not look and which must not be emptied. The root is the one
+/// CRIU logged forking (`criu_log::restored_root`), killed with its descendants only while
+/// that pid is still CRIU's: a child of this shim (the subreaper it was orphaned to when
+/// CRIU died), started at or after `since` ([`boot_ticks`] before the restore: never a
+/// process of the original, which is older), with the logged pid in its own PID namespace.
+/// Returns the pids killed.
+pub fn kill_restored_tree(log: &Path, since: u64) -> Vec<i32> {
+    let Some((real, virt)) = crate::criu_log::restored_root(log) else {
+        return Vec::new();
+    };
+    if !is_restored_root(real, virt, std::process::id() as i32, since) {
+        return Vec::new();
+    }
+    crate::reaper::kill_tree(real)
+}
+
+/// Whether `pid` is a child of `parent` started at or after `since`, whose pid in its own
+/// (innermost) PID namespace is `virt`.
+fn is_restored_root(pid: i32, virt: i32, parent: i32, since: u64) -> bool {
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    let ppid = field("PPid:").and_then(|v| v.parse::<i32>().ok());
+    let innermost = field("NSpid:")
+        .and_then(|v| v.split_whitespace().last())
+        .and_then(|v| v.parse::<i32>().ok());
+    let started = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            // Fields follow the last ')'; the start time is the 22nd field of the line.
+            let rest = &stat[stat.rfind(')')? + 1..];
+            rest.split_whitespace().nth(19)?.parse::<u64>().ok()
+        });
+    ppid == Some(parent) && innermost == Some(virt) && started.is_some_and(|t| t >= since)
 }
 
 /// How the spec's cgroup shows in `/proc/<pid>/cgroup`: the path itself (cgroupfs), or
@@ -200,6 +264,32 @@ mod tests {
         // No process is in a cgroup that does not exist.
         spec_with(d.path(), "/gpucr-test-no-such-cgroup/x");
         assert!(kill_spec_cgroup(d.path()).is_empty());
+    }
+
+    #[test]
+    fn only_the_restores_own_root_is_killed() {
+        let since = boot_ticks();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let me = std::process::id() as i32;
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("restore.log");
+        // Not the logged pid in its namespace, not this process's child, or older than the
+        // restore: left alone.
+        assert!(!is_restored_root(pid, pid + 1, me, since));
+        assert!(!is_restored_root(pid, pid, me + 1, since));
+        assert!(!is_restored_root(pid, pid, me, boot_ticks() + 1000));
+        assert!(!is_restored_root(me, me, me, 0));
+        std::fs::write(&log, format!("(00.01) PID: real {me} virt {me}\n")).unwrap();
+        assert!(kill_restored_tree(&log, 0).is_empty());
+        assert!(child.try_wait().unwrap().is_none());
+        // The restore's own: killed.
+        std::fs::write(&log, format!("(00.01) PID: real {pid} virt {pid}\n")).unwrap();
+        assert_eq!(kill_restored_tree(&log, since), vec![pid]);
+        assert!(!child.wait().unwrap().success());
     }
 
     #[test]

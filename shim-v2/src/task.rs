@@ -782,10 +782,19 @@ impl Task for TaskService {
         ctx: &TtrpcContext,
         r: CheckpointTaskRequest,
     ) -> TtrpcResult<api::Empty> {
-        rpc(self
-            .task_checkpoint(r, request_timeout(ctx.timeout_nano))
-            .await)
-        .map(|_| api::Empty::new())
+        // Runs to its end on its own: ttrpc drops a request's future when its connection
+        // closes (containerd restarted), and a checkpoint dropped mid-way would leave the
+        // GPU locked and checkpointed and the task frozen, with no rollback.
+        let (this, request) = (self.clone(), request_timeout(ctx.timeout_nano));
+        let done = tokio::spawn(async move { this.task_checkpoint(r, request).await })
+            .await
+            .unwrap_or_else(|e| {
+                Err(Error::Runtime {
+                    op: "checkpoint",
+                    msg: format!("the checkpoint's task ended: {e}"),
+                })
+            });
+        rpc(done).map(|_| api::Empty::new())
     }
     async fn kill(&self, _: &TtrpcContext, r: KillRequest) -> TtrpcResult<api::Empty> {
         rpc(self.task_kill(r).await).map(|_| api::Empty::new())

@@ -16,6 +16,14 @@ use std::time::Duration;
 
 use crate::{procfs, shim_dir};
 
+/// A CRIU log line written once the dump has started on the task's memory.
+pub const MID_DUMP: &str = "Dumping pages (type:";
+/// A CRIU log line written as the restore forks the process tree.
+pub const MID_RESTORE: &str = "Forking task with";
+/// A CRIU log line written as a restored task enters the restorer: its session and process
+/// group are restored (it left runc's), and it waits there for CRIU's next stage.
+pub const LATE_RESTORE: &str = "Restore via sigreturn";
+
 /// The wrapper's directory (removed on drop: drop the daemon first).
 pub struct CriuWrapper {
     dir: tempfile::TempDir,

@@ -10,6 +10,8 @@
 //!   [`registry`]; [`cri_node`] is such a node (daemon, registry, client, pods) for a test.
 //! - [`fake_cuda`] scripts tests/fake-libcuda as the driver; [`cuda_app`] is the hook's test
 //!   program as an image.
+//! - [`leftovers`] checks that a fault left nothing of a container, and drives the shim's
+//!   failpoints.
 //! - [`task`] and [`checkpoint`] wrap `ctr` for the tests; [`command::Cmd`] runs anything with
 //!   a timeout; [`poll::poll_until`] waits for conditions.
 //!
@@ -28,6 +30,7 @@ pub mod error;
 pub mod fake_cuda;
 pub mod image;
 pub mod installed;
+pub mod leftovers;
 pub mod manifest;
 pub mod poll;
 pub mod procfs;

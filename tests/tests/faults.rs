@@ -7,21 +7,13 @@
 //! The failpoints and their outcomes are listed in docs/ARCHITECTURE.md.
 
 use std::path::Path;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper, LATE_RESTORE, MID_DUMP, MID_RESTORE};
+use gpucr_tests::leftovers::{Failpoints, CLEANUP_WITHIN};
 use gpucr_tests::{
-    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, Output,
-    GPUCR_RUNTIME,
+    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
 };
-
-/// A CRIU log line written once the dump has started on the task's memory.
-const MID_DUMP: &str = "Dumping pages (type:";
-/// A CRIU log line written as the restore forks the process tree.
-const MID_RESTORE: &str = "Forking task with";
-/// What containerd may take to clean up after a dead shim (`shim delete`, 5 s at most).
-const CLEANUP_WITHIN: Duration = Duration::from_secs(15);
 
 /// A daemon whose runc finds the wrapper. Drops the daemon before the wrapper.
 struct Faulty {
@@ -82,16 +74,6 @@ impl Faulty {
             .unwrap()
     }
 
-    /// Runs `ctr <args>` in a thread (bounded to a minute), for a fault to strike meanwhile.
-    fn ctr_in_background(&self, args: &[&str]) -> JoinHandle<gpucr_tests::Result<Output>> {
-        let cmd = self
-            .ctd
-            .ctr_cmd()
-            .args(args)
-            .timeout(Duration::from_secs(60));
-        std::thread::spawn(move || cmd.output())
-    }
-
     /// Waits until the wrapper recorded a CRIU in `file` (`hung.pids`).
     fn wait_criu(&self, file: &str) {
         poll_until(
@@ -115,26 +97,6 @@ impl Faulty {
         procfs::sigkill(shim).unwrap();
     }
 
-    /// `ctr task rm -f` then `ctr container rm`, on whatever a fault left of `id` (a task
-    /// containerd already dropped with its dead shim is not found): both work, within
-    /// seconds, and nothing of `id` is left.
-    fn remove_with_force(&self, id: &str) {
-        let t0 = Instant::now();
-        let rm = self.ctd.ctr(&["task", "rm", "-f", id]).unwrap();
-        assert!(
-            rm.success() || rm.stderr.contains("not found"),
-            "ctr task rm -f {id}: {}",
-            rm.stderr
-        );
-        self.ctd.ctr_ok(&["container", "rm", id]).unwrap();
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "removing {id} took {:?}",
-            t0.elapsed()
-        );
-        self.assert_nothing_left(id);
-    }
-
     /// The task runs and counts, pauses and resumes, checkpoints again, and is removed
     /// leaving nothing.
     fn assert_every_verb_works(&self, id: &str) {
@@ -149,46 +111,7 @@ impl Faulty {
         assert!(again.success(), "checkpoint again: {}", again.stderr);
         self.ctd.wait_status(id, "RUNNING").unwrap();
         self.ctd.remove_container(id).unwrap();
-        self.assert_nothing_left(id);
-    }
-
-    /// No shim, shim socket, bundle, rootfs mount, runc state, container process of `id`,
-    /// or unpacked checkpoint copy of the daemon.
-    fn assert_nothing_left(&self, id: &str) {
-        let bundle = self.ctd.bundle(id);
-        let socket = self.ctd.shim_socket(id);
-        let runc_state = Path::new("/run/containerd/runc")
-            .join(self.ctd.namespace())
-            .join(id);
-        let address = self.ctd.address().to_string_lossy().into_owned();
-        poll_until(&format!("nothing of {id} left"), CLEANUP_WITHIN, || {
-            let left: Vec<String> = [
-                procfs::shim_pid(&address, id).map(|p| format!("shim {p}")),
-                socket
-                    .exists()
-                    .then(|| format!("shim socket {}", socket.display())),
-                bundle
-                    .exists()
-                    .then(|| format!("bundle {}", bundle.display())),
-                Some(procfs::mounts_under(&bundle))
-                    .filter(|m| !m.is_empty())
-                    .map(|m| format!("mounts {m:?}")),
-                runc_state
-                    .exists()
-                    .then(|| format!("runc state {}", runc_state.display())),
-                Some(procfs::cgroup_members(self.ctd.namespace()))
-                    .filter(|m| !m.is_empty())
-                    .map(|m| format!("container processes {m:?}")),
-                Some(self.ctd.unpacked_checkpoints())
-                    .filter(|u| !u.is_empty())
-                    .map(|u| format!("unpacked checkpoints {u:?}")),
-            ]
-            .into_iter()
-            .flatten()
-            .collect();
-            Ok(if left.is_empty() { Ok(()) } else { Err(left) })
-        })
-        .unwrap();
+        self.ctd.assert_nothing_left(id);
     }
 }
 
@@ -243,7 +166,7 @@ fn runc_killed_mid_dump_kills_its_criu_and_leaves_the_task_usable() {
     let id = unique_id("flt-runc");
     f.counter(&id);
     f.criu.arm(CriuFault::Hang);
-    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+    let ck = f.ctd.ctr_in_background(&["task", "checkpoint", &id]);
     let log = f.ctd.bundle(&id).join("log.json");
     let runc = poll_until("runc checkpoint running", Duration::from_secs(10), || {
         let found = procfs::processes().into_iter().find(|p| {
@@ -299,7 +222,7 @@ fn runc_killed_mid_dump_of_a_paused_task(restart: bool) {
     if restart {
         f.ctd.restart().unwrap();
     }
-    f.remove_with_force(&id);
+    f.ctd.remove_with_force(&id);
 }
 
 #[test]
@@ -343,7 +266,7 @@ fn a_full_disk_is_named_and_the_task_runs_on() {
     let now = f.ctd.read_counter(&id).unwrap();
     f.ctd.wait_counter_above(&id, now).unwrap();
     f.ctd.remove_container(&id).unwrap();
-    f.assert_nothing_left(&id);
+    f.ctd.assert_nothing_left(&id);
     drop(f);
     procfs::unmount_under(small.path());
 }
@@ -380,7 +303,7 @@ fn a_paused_task_whose_init_exits_is_removed_with_force() {
         Some("PAUSED"),
         "nothing exited yet: the init waits for its frozen children"
     );
-    f.remove_with_force(&id);
+    f.ctd.remove_with_force(&id);
 }
 
 #[test]
@@ -391,7 +314,7 @@ fn the_shim_killed_mid_dump_leaves_nothing() {
     let id = unique_id("flt-shimck");
     f.counter(&id);
     f.criu.arm(CriuFault::Hang);
-    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+    let ck = f.ctd.ctr_in_background(&["task", "checkpoint", &id]);
     f.wait_criu("hung.pids");
     f.kill_shim(&id);
     let out = ck.join().unwrap().expect("ctr ran");
@@ -400,7 +323,7 @@ fn the_shim_killed_mid_dump_leaves_nothing() {
     // containerd ran `shim delete`: it killed the dead shim's runc and CRIU, unmounted the
     // rootfs and deleted runc's state before containerd removed the bundle.
     f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
-    f.remove_with_force(&id);
+    f.ctd.remove_with_force(&id);
 }
 
 #[test]
@@ -414,7 +337,9 @@ fn the_shim_killed_mid_restore_leaves_no_unpacked_copy() {
     f.ctd.container_checkpoint(&id, &reference, true).unwrap();
     f.ctd.remove_container(&id).unwrap();
     f.criu.arm(CriuFault::Hang);
-    let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
+    let rs = f
+        .ctd
+        .ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
     f.wait_criu("hung.pids");
     assert!(
         !f.ctd.unpacked_checkpoints().is_empty(),
@@ -426,7 +351,7 @@ fn the_shim_killed_mid_restore_leaves_no_unpacked_copy() {
     assert!(!out.success(), "{}", out.stdout);
     f.criu.assert_gone("hung.pids", CLEANUP_WITHIN);
     f.ctd.wait_unpacked_removed().unwrap();
-    f.remove_with_force(&id);
+    f.ctd.remove_with_force(&id);
     // The checkpoint in the content store is intact: it restores.
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.assert_every_verb_works(&id);
@@ -457,7 +382,7 @@ fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
     assert!(out.stderr.contains("runc restore"), "{}", out.stderr);
     f.criu
         .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
-    f.remove_with_force(&id);
+    f.ctd.remove_with_force(&id);
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.ctd
         .wait_counter_above(&id, checkpointed)
@@ -465,55 +390,63 @@ fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
     f.assert_every_verb_works(&id);
 }
 
-/// The shim's failpoints (shim-v2/src/failpoint.rs): a file `<dir>/<point>` in the directory
-/// `GPUCR_FAILPOINTS` names fails the point once; `pause` in it holds the point while
-/// `<point>.held` exists.
-pub struct Failpoints {
-    dir: tempfile::TempDir,
-}
-
-impl Failpoints {
-    fn new() -> Failpoints {
-        Failpoints {
-            dir: tempfile::Builder::new()
-                .prefix("gpucr-failpoints-")
-                .tempdir()
-                .unwrap(),
-        }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// The next pass through `point` fails.
-    fn fail(&self, point: &str) {
-        std::fs::write(self.path().join(point), "").unwrap();
-    }
-
-    /// The next pass through `point` holds until [`Failpoints::release`].
-    fn pause(&self, point: &str) {
-        std::fs::write(self.path().join(point), "pause").unwrap();
-    }
-
-    fn wait_held(&self, point: &str) {
-        let held = self.path().join(format!("{point}.held"));
-        poll_until(
-            &format!("the shim holds at {point}"),
-            Duration::from_secs(30),
-            || Ok(if held.exists() { Ok(()) } else { Err(()) }),
-        )
+/// `runc restore` SIGKILLed once the restored tasks entered CRIU's restorer (out of runc's
+/// process group), restoring a checkpoint under a new id beside its running original: on
+/// cgroup v2 CRIU puts the restored tasks into the cgroup recorded in the image, the
+/// original's, so the shim looks for them by the root CRIU logged forking
+/// (`restore_cgroup::kill_restored_tree`), never by that cgroup. The original runs on
+/// untouched, no process of the restore is left (each container process left is in the
+/// original's PID namespace), and the checkpoint restores after. (With CRIU 4.1 on cgroup
+/// v1 the tree was seen to die with CRIU at this point: the test guards the original, the
+/// shim's unit test `only_the_restores_own_root_is_killed` the identification.)
+#[test]
+fn runc_killed_mid_restore_beside_its_original_kills_only_the_restore() {
+    let Some(f) = Faulty::start(&[]) else {
+        return;
+    };
+    let id = unique_id("flt-orig");
+    let copy = unique_id("flt-copy");
+    f.counter(&id);
+    let init = f.ctd.task_pid(&id).unwrap() as i32;
+    let reference = format!("docker.io/gpucr/faults-beside:{id}");
+    f.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    f.criu.arm(CriuFault::KillRuncAt(LATE_RESTORE));
+    let out = f
+        .ctd
+        .ctr(&["container", "restore", "--live", "--rw", &copy, &reference])
         .unwrap();
-    }
-
-    fn release(&self, point: &str) {
-        std::fs::remove_file(self.path().join(format!("{point}.held"))).unwrap();
-    }
-
-    /// The shim went through `point` (its file was taken).
-    fn fired(&self, point: &str) -> bool {
-        !self.path().join(point).exists()
-    }
+    f.criu.disarm();
+    assert!(!out.success(), "the restore must fail: {}", out.stdout);
+    assert!(out.stderr.contains("runc restore"), "{}", out.stderr);
+    f.criu
+        .assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
+    let pid_ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let original = pid_ns(init);
+    assert!(original.is_some(), "the original's init {init} is gone");
+    poll_until("no process of the restore", CLEANUP_WITHIN, || {
+        let strangers: Vec<i32> = procfs::cgroup_members(f.ctd.namespace())
+            .into_iter()
+            .filter(|p| pid_ns(*p).is_some_and(|ns| Some(ns) != original))
+            .collect();
+        Ok(if strangers.is_empty() {
+            Ok(())
+        } else {
+            Err(strangers)
+        })
+    })
+    .unwrap();
+    assert_eq!(
+        f.ctd.task_pid(&id).unwrap() as i32,
+        init,
+        "the original runs on"
+    );
+    let now = f.ctd.read_counter(&id).unwrap();
+    f.ctd.wait_counter_above(&id, now).unwrap();
+    f.ctd.remove_container(&id).unwrap();
+    f.ctd.remove_with_force(&copy);
+    f.ctd.assert_nothing_left(&id);
+    f.ctd.container_restore(&copy, &reference, true).unwrap();
+    f.assert_every_verb_works(&copy);
 }
 
 const CHECKPOINT_POINTS: [&str; 4] = [
@@ -582,7 +515,7 @@ fn every_restore_failpoint_leaves_nothing_and_the_checkpoint_restores() {
         let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
         let _ = f.ctd.ctr(&["container", "rm", &id]);
         f.ctd.wait_unpacked_removed().unwrap();
-        f.assert_nothing_left(&id);
+        f.ctd.assert_nothing_left(&id);
     }
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.ctd
@@ -605,7 +538,7 @@ fn the_shim_killed_at_each_checkpoint_failpoint_leaves_nothing() {
         let id = unique_id(&format!("flt-shimfp{i}"));
         f.counter(&id);
         points.pause(point);
-        let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+        let ck = f.ctd.ctr_in_background(&["task", "checkpoint", &id]);
         points.wait_held(point);
         f.kill_shim(&id);
         points.release(point);
@@ -615,7 +548,7 @@ fn the_shim_killed_at_each_checkpoint_failpoint_leaves_nothing() {
             "{point}: the checkpoint must fail: {}",
             out.stdout
         );
-        f.remove_with_force(&id);
+        f.ctd.remove_with_force(&id);
     }
 }
 
@@ -632,7 +565,9 @@ fn the_shim_killed_at_each_restore_failpoint_leaves_nothing_and_the_checkpoint_r
     let (reference, checkpointed) = f.checkpointed_counter(&id, "shimfprs");
     for point in RESTORE_POINTS {
         points.pause(point);
-        let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
+        let rs =
+            f.ctd
+                .ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
         points.wait_held(point);
         f.kill_shim(&id);
         points.release(point);
@@ -642,7 +577,7 @@ fn the_shim_killed_at_each_restore_failpoint_leaves_nothing_and_the_checkpoint_r
             "{point}: the restore must fail: {}",
             out.stdout
         );
-        f.remove_with_force(&id);
+        f.ctd.remove_with_force(&id);
     }
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.ctd
@@ -661,7 +596,7 @@ fn containerd_restarted_mid_checkpoint_leaves_the_task_usable() {
     f.counter(&id);
     let point = "checkpoint.before-dump";
     points.pause(point);
-    let ck = f.ctr_in_background(&["task", "checkpoint", &id]);
+    let ck = f.ctd.ctr_in_background(&["task", "checkpoint", &id]);
     points.wait_held(point);
     f.ctd.restart().unwrap();
     points.release(point);
@@ -694,7 +629,9 @@ fn containerd_restarted_mid_restore_leaves_nothing_and_the_checkpoint_restores()
     let (reference, checkpointed) = f.checkpointed_counter(&id, "ctdrs");
     let point = "restore.before-criu";
     points.pause(point);
-    let rs = f.ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
+    let rs = f
+        .ctd
+        .ctr_in_background(&["container", "restore", "--live", "--rw", &id, &reference]);
     points.wait_held(point);
     f.ctd.restart().unwrap();
     points.release(point);
@@ -702,7 +639,7 @@ fn containerd_restarted_mid_restore_leaves_nothing_and_the_checkpoint_restores()
     let _ = f.ctd.ctr(&["task", "rm", "-f", &id]);
     let _ = f.ctd.ctr(&["container", "rm", &id]);
     f.ctd.wait_unpacked_removed().unwrap();
-    f.assert_nothing_left(&id);
+    f.ctd.assert_nothing_left(&id);
     f.ctd.container_restore(&id, &reference, true).unwrap();
     f.ctd
         .wait_counter_above(&id, checkpointed)

@@ -15,11 +15,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper};
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper, MID_DUMP, MID_RESTORE};
 use gpucr_tests::fake_cuda::{self, FakeCuda, CHECKPOINTED, FULL_CYCLE, LOCKED, RUNNING};
+use gpucr_tests::leftovers::Failpoints;
 use gpucr_tests::manifest::rewrite_with_manifest;
 use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
-use gpucr_tests::{counter_args, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME};
+use gpucr_tests::{
+    counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
+};
 use serde_json::Value;
 
 /// Counter value the workload reaches before a checkpoint.
@@ -158,7 +161,7 @@ impl Gpu {
                 &arg,
             ])
             .expect("exec sleeper");
-        gpucr_tests::poll_until("sleeper pid", Duration::from_secs(10), || {
+        poll_until("sleeper pid", Duration::from_secs(10), || {
             Ok(procfs::processes()
                 .into_iter()
                 .find(|p| p.argv == ["sleep", arg.as_str()])
@@ -166,6 +169,22 @@ impl Gpu {
                 .ok_or(()))
         })
         .unwrap()
+    }
+
+    /// Each process restored in place of the checkpointed `pid` (the task's init among them)
+    /// had its GPU restored and unlocked exactly once, and runs.
+    fn assert_restored_once(&self, id: &str, pid: u32) {
+        let new_pid = self.ctd.task_pid(id).unwrap();
+        let restored = self.pids_other_than(pid);
+        assert!(restored.contains(&new_pid), "{:#?}", self.fake.log());
+        for p in &restored {
+            assert_eq!(
+                self.fake.calls_of(*p),
+                ["restore -> 0", "unlock -> 0"],
+                "pid {p}"
+            );
+            assert_eq!(self.fake.states().get(p), Some(&RUNNING), "pid {p}");
+        }
     }
 
     /// The restored workload continues from the checkpoint and keeps counting.
@@ -561,14 +580,13 @@ fn failed_manifest_after_the_dump_resumes_the_gpu() {
 #[test]
 fn runc_killed_mid_dump_gives_the_gpu_back() {
     let criu = CriuWrapper::install();
-    let path = criu.path_env().to_string_lossy().into_owned();
-    let Some(g) = start_with_env(vec![("PATH".into(), path)]) else {
+    let Some(g) = start_with_env(criu_path(&criu)) else {
         return;
     };
     let id = unique_id("gpu-runckill");
     let pid = g.counter(&id, &[]);
     g.script(&[pid], "");
-    criu.arm(CriuFault::KillRuncAt("Dumping pages (type:"));
+    criu.arm(CriuFault::KillRuncAt(MID_DUMP));
     let err = g.failed_checkpoint(&id);
     criu.disarm();
     assert!(
@@ -579,6 +597,137 @@ fn runc_killed_mid_dump_gives_the_gpu_back() {
     assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
     g.assert_recovered(&id, &[pid]);
     g.ctd.remove_container(&id).unwrap();
+}
+
+/// The environment that puts the wrapper first in the daemon's PATH.
+fn criu_path(criu: &CriuWrapper) -> Vec<(String, String)> {
+    vec![(
+        "PATH".into(),
+        criu.path_env().to_string_lossy().into_owned(),
+    )]
+}
+
+/// containerd restarted while the shim holds a leave-running checkpoint at
+/// `checkpoint.before-dump` (the GPU locked and checkpointed, the task frozen): the shim
+/// finishes the checkpoint on its own, the GPU ends unlocked (its full cycle, once), the task
+/// is reported as it is (paused when ctr paused it and lost its daemon before its resume;
+/// the GPU stays locked until the resume, as for any paused task), and every verb works
+/// after: checkpoint again, kill, delete.
+#[test]
+fn containerd_restarted_mid_checkpoint_gives_the_gpu_back() {
+    let points = Failpoints::new();
+    let dir = points.path().to_string_lossy().into_owned();
+    let Some(mut g) = start_with_env(vec![("GPUCR_FAILPOINTS".into(), dir)]) else {
+        return;
+    };
+    let id = unique_id("gpu-ctdck");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let point = "checkpoint.before-dump";
+    points.pause(point);
+    let ck = g.ctd.ctr_in_background(&["task", "checkpoint", &id]);
+    points.wait_held(point);
+    assert_eq!(
+        g.fake.calls_of(pid),
+        ["lock -> 0", "checkpoint -> 0"],
+        "held with the GPU locked"
+    );
+    g.ctd.restart().unwrap();
+    points.release(point);
+    let _ = ck.join().unwrap().expect("ctr ran");
+    let status = poll_until("the task settles", Duration::from_secs(30), || {
+        Ok(match g.ctd.task_status(&id)? {
+            Some(s) if s == "RUNNING" || s == "PAUSED" => Ok(s),
+            other => Err(other),
+        })
+    })
+    .unwrap();
+    if status == "PAUSED" {
+        assert_eq!(g.fake.states().get(&pid), Some(&LOCKED), "paused: locked");
+        g.ctd.ctr_ok(&["task", "resume", &id]).unwrap();
+    }
+    // Finished (the dump ran) or undone, the GPU went through its cycle once and runs.
+    poll_until("the GPU given back", Duration::from_secs(30), || {
+        let calls = g.fake.calls_of(pid);
+        Ok(if calls == FULL_CYCLE {
+            Ok(())
+        } else {
+            Err(calls)
+        })
+    })
+    .unwrap();
+    g.assert_recovered(&id, &[pid]);
+
+    g.ctd
+        .task_checkpoint(&id, &[])
+        .expect("checkpoint again")
+        .expect("checkpoint image stored");
+    assert_eq!(
+        g.fake.calls_of(pid),
+        [FULL_CYCLE, FULL_CYCLE].concat(),
+        "{:#?}",
+        g.fake.log()
+    );
+    g.assert_recovered(&id, &[pid]);
+    g.ctd
+        .ctr_ok(&["task", "kill", "-s", "SIGKILL", &id])
+        .unwrap();
+    g.ctd.wait_status(&id, "STOPPED").unwrap();
+    g.ctd.ctr_ok(&["task", "rm", &id]).unwrap();
+    g.ctd.ctr_ok(&["container", "rm", &id]).unwrap();
+    g.ctd.assert_nothing_left(&id);
+}
+
+/// A GPU checkpoint whose `runc restore` is SIGKILLed once CRIU forks the restored tree: the
+/// restore fails naming runc, CRIU is gone, the driver was never called for the
+/// half-restored processes, nothing is left (processes, runc state, mounts, containerd's
+/// unpacked copy), and the checkpoint restores after with each restored process's GPU
+/// restored and unlocked exactly once.
+#[test]
+fn runc_killed_mid_restore_leaves_nothing_and_the_gpu_checkpoint_restores() {
+    let criu = CriuWrapper::install();
+    let Some(g) = start_with_env(criu_path(&criu)) else {
+        return;
+    };
+    let id = unique_id("gpu-runcrs");
+    let pid = g.counter(&id, &[]);
+    g.script(&[pid], "");
+    let reference = format!("docker.io/gpucr/gpu-runcrs:{id}");
+    let before = g.ctd.read_counter(&id).unwrap();
+    g.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let after = g.ctd.read_counter(&id).unwrap();
+    assert_eq!(g.fake.calls_of(pid), FULL_CYCLE, "{:#?}", g.fake.log());
+    g.ctd.remove_container(&id).unwrap();
+
+    // The restored tree has new pids, which the driver knows CHECKPOINTED.
+    g.fake.set_script("cuda * state=checkpointed\n").unwrap();
+    criu.arm(CriuFault::KillRuncAt(MID_RESTORE));
+    let out = g
+        .ctd
+        .ctr(&["container", "restore", "--live", "--rw", &id, &reference])
+        .unwrap();
+    criu.disarm();
+    assert!(!out.success(), "the restore must fail: {}", out.stdout);
+    assert!(
+        !criu.pids("killed-runc.pids").is_empty(),
+        "runc was not killed"
+    );
+    assert!(out.stderr.contains("runc restore"), "{}", out.stderr);
+    criu.assert_gone("criu-of-killed-runc.pids", Duration::from_secs(5));
+    assert_eq!(
+        g.pids_other_than(pid),
+        Vec::<u32>::new(),
+        "the driver was called for a half-restored tree: {:#?}",
+        g.fake.log()
+    );
+    g.ctd.remove_with_force(&id);
+
+    let restored_at = Instant::now();
+    g.ctd.container_restore(&id, &reference, true).unwrap();
+    g.assert_restored_once(&id, pid);
+    g.assert_continues(&id, before, after, restored_at);
+    g.ctd.remove_container(&id).unwrap();
+    g.ctd.assert_nothing_left(&id);
 }
 
 /// True while runc has state for container `id` (the shim's default runc root).
@@ -593,7 +742,7 @@ fn runc_knows(ctd: &Containerd, id: &str) -> bool {
 fn assert_nothing_left(ctd: &Containerd, id: &str) {
     assert_eq!(ctd.task_status(id).unwrap(), None, "no task {id}");
     let address = ctd.address().to_string_lossy().into_owned();
-    gpucr_tests::poll_until("shim exits", Duration::from_secs(10), || {
+    poll_until("shim exits", Duration::from_secs(10), || {
         Ok(match procfs::shim_pid(&address, id) {
             None => Ok(()),
             Some(p) => Err(p),
