@@ -786,14 +786,24 @@ impl Task for TaskService {
         // closes (containerd restarted), and a checkpoint dropped mid-way would leave the
         // GPU locked and checkpointed and the task frozen, with no rollback.
         let (this, request) = (self.clone(), request_timeout(ctx.timeout_nano));
-        let done = tokio::spawn(async move { this.task_checkpoint(r, request).await })
-            .await
-            .unwrap_or_else(|e| {
-                Err(Error::Runtime {
-                    op: "checkpoint",
-                    msg: format!("the checkpoint's task ended: {e}"),
-                })
-            });
+        let waiting = Waiting::default();
+        let gone = waiting.gone.clone();
+        let (id, image) = (r.id.clone(), PathBuf::from(&r.path));
+        let done = tokio::spawn(async move {
+            let res = this.task_checkpoint(r, request).await;
+            if gone.load(std::sync::atomic::Ordering::SeqCst) {
+                remove_orphaned_image(&id, &image);
+            }
+            res
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(Error::Runtime {
+                op: "checkpoint",
+                msg: format!("the checkpoint's task ended: {e}"),
+            })
+        });
+        waiting.answered();
         rpc(done).map(|_| api::Empty::new())
     }
     async fn kill(&self, _: &TtrpcContext, r: KillRequest) -> TtrpcResult<api::Empty> {
@@ -822,6 +832,49 @@ impl Task for TaskService {
     }
     async fn shutdown(&self, _: &TtrpcContext, r: ShutdownRequest) -> TtrpcResult<api::Empty> {
         rpc(self.task_shutdown(r).await).map(|_| api::Empty::new())
+    }
+}
+
+/// Set when a Checkpoint request's future is dropped before it answered: its client
+/// (containerd) is gone and nobody will read the image it asked for.
+#[derive(Default)]
+struct Waiting {
+    gone: Arc<std::sync::atomic::AtomicBool>,
+    answered: bool,
+}
+
+impl Waiting {
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.gone.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
+/// A checkpoint finished after containerd went away: the directory containerd made for it
+/// (`ctrd-checkpoint*`, removed by containerd once it has stored the image) has no reader
+/// left, so it goes. A directory the client named (`--image-path`) is the client's.
+fn remove_orphaned_image(id: &str, image: &Path) {
+    let ours = image
+        .file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("ctrd-checkpoint"));
+    if !ours {
+        tracing::warn!(%id, image = %image.display(),
+            "the checkpoint finished after its client went away; the image is kept");
+        return;
+    }
+    match std::fs::remove_dir_all(image) {
+        Ok(()) => tracing::warn!(%id, image = %image.display(),
+            "the checkpoint finished after containerd went away; its temporary image was removed"),
+        Err(e) => tracing::warn!(%id, image = %image.display(), error = %e,
+            "cannot remove the temporary image of a checkpoint whose containerd went away"),
     }
 }
 
