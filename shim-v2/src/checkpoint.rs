@@ -15,6 +15,7 @@ use std::{
 };
 
 use crate::{
+    by_reference,
     container::Container,
     error::{Error, IoContext, Result, TaskLeft},
     failpoint,
@@ -354,7 +355,19 @@ impl Container {
             layout::fold(image)?;
             manifest::write_manifest(&self.id, image, !req.exit, dump_ms)
         };
-        let written = written.await;
+        let mut written = written.await;
+        if written.is_ok() {
+            // Its large files into the store (mode local or shared), the image sealed first.
+            if let Err(msg) = by_reference::give_to_store(&self.id, image, self.store).await {
+                tracing::error!(id = %self.id, "checkpoint failed: {msg}");
+                written = Err(Error::Checkpoint {
+                    id: self.id.clone(),
+                    msg,
+                    left: TaskLeft::from(init.state()),
+                    log: None,
+                });
+            }
+        }
         if written.is_ok() {
             tracing::info!(id = %self.id, dump_ms, "checkpointed");
         }

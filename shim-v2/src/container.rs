@@ -53,6 +53,8 @@ pub struct Container {
     pub gpu: GpuConfig,
     /// How long CRIU may take (from its annotations, else by memory).
     pub deadlines: Deadlines,
+    /// Where a checkpoint's large files go (`by_reference`; from its annotations).
+    pub store: crate::by_reference::Mode,
     /// Whether the container's processes have the hook library preloaded.
     pub hook: bool,
     /// The init process; held across one verb (see InitProcess).
@@ -302,11 +304,16 @@ impl Container {
         let annotations = spec_annotations(&cfg.bundle);
         let gpu = GpuConfig::from_annotations(&annotations)?;
         let deadlines = Deadlines::from_annotations(&annotations)?;
+        let store = crate::by_reference::Mode::from_annotations(&annotations)?;
         let mut gpu_pairs = Vec::new();
         let mut records = Records::default();
         let mut helpers = HelperChoice::NotWanted;
         let hook;
         if let Some(image) = &cfg.checkpoint {
+            // A by-reference image's files back from the store, before anything reads it.
+            if image.is_dir() {
+                crate::by_reference::resolve(&cfg.id, image).await?;
+            }
             // The hook's images back in their directories (a checkpoint leaves them flat);
             // a missing image is validate_image's to refuse.
             let unfolded = if image.is_dir() {
@@ -444,6 +451,7 @@ impl Container {
             rootfs: cfg.rootfs,
             gpu,
             deadlines,
+            store,
             hook,
             init: Mutex::new(init),
             observed,

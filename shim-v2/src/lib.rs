@@ -5,6 +5,7 @@
 //! → `container` + `checkpoint` (verbs on one task) → `process` (state machines) → `runc`,
 //! `io`, `reaper` (the outside world).
 
+pub mod by_reference;
 pub mod checkpoint;
 pub mod container;
 pub mod criu_log;

@@ -20,9 +20,6 @@ use crate::{procfs, shim_dir};
 pub const MID_DUMP: &str = "Dumping pages (type:";
 /// A CRIU log line written as the restore forks the process tree.
 pub const MID_RESTORE: &str = "Forking task with";
-/// A CRIU log line written as a restored task enters the restorer: its session and process
-/// group are restored (it left runc's), and it waits there for CRIU's next stage.
-pub const LATE_RESTORE: &str = "Restore via sigreturn";
 
 /// The wrapper's directory (removed on drop: drop the daemon first).
 pub struct CriuWrapper {

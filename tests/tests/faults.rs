@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper, LATE_RESTORE, MID_DUMP, MID_RESTORE};
+use gpucr_tests::criu_wrapper::{CriuFault, CriuWrapper, MID_DUMP, MID_RESTORE};
 use gpucr_tests::leftovers::{Failpoints, CLEANUP_WITHIN};
 use gpucr_tests::{
     counter_args, poll_until, procfs, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
@@ -390,8 +390,9 @@ fn runc_killed_mid_restore_leaves_nothing_and_the_checkpoint_restores() {
     f.assert_every_verb_works(&id);
 }
 
-/// `runc restore` SIGKILLed once the restored tasks entered CRIU's restorer (out of runc's
-/// process group), restoring a checkpoint under a new id beside its running original: on
+/// `runc restore` SIGKILLed while CRIU forks the restored tasks (at CRIU's "Restore via
+/// sigreturn", later, runc often finished before the wrapper saw the line: a flaky test),
+/// restoring a checkpoint under a new id beside its running original: on
 /// cgroup v2 CRIU puts the restored tasks into the cgroup recorded in the image, the
 /// original's, so the shim looks for them by the root CRIU logged forking
 /// (`restore_cgroup::kill_restored_tree`), never by that cgroup. The original runs on
@@ -410,7 +411,7 @@ fn runc_killed_mid_restore_beside_its_original_kills_only_the_restore() {
     let init = f.ctd.task_pid(&id).unwrap() as i32;
     let reference = format!("docker.io/gpucr/faults-beside:{id}");
     f.ctd.container_checkpoint(&id, &reference, true).unwrap();
-    f.criu.arm(CriuFault::KillRuncAt(LATE_RESTORE));
+    f.criu.arm(CriuFault::KillRuncAt(MID_RESTORE));
     let out = f
         .ctd
         .ctr(&["container", "restore", "--live", "--rw", &copy, &reference])
