@@ -1,0 +1,196 @@
+//! Checkpoints by reference (issue 22): a checkpoint's large files go into the node's gpucr
+//! store (`GPUCR_STORE`) and the image keeps `gpucr-store.json`; a restore puts them back,
+//! pulling from the shared store (`GPUCR_STORE_SHARED`) on a node whose store lacks them.
+//! Nodes are containerds with their own stores, started with the mode as the node's default
+//! (`GPUCR_STORE_MODE`); the counter's CRIU pages are large enough with
+//! `GPUCR_STORE_MIN_BYTES` low.
+
+use std::path::Path;
+
+use gpucr_tests::{
+    runtime_under_test,
+    shim_client::{CheckpointFlags, CheckpointOutcome},
+    unique_id, Containerd, GPUCR_RUNTIME,
+};
+
+const REF_FILE: &str = "gpucr-store.json";
+
+struct Node {
+    ctd: Containerd,
+    image: String,
+    store: tempfile::TempDir,
+}
+
+/// A containerd whose shims use a store of their own, `mode` by default, and `shared`.
+fn node(mode: &str, shared: Option<&Path>) -> Option<Node> {
+    if runtime_under_test() != GPUCR_RUNTIME {
+        eprintln!("skipped: the gpucr store is gpucr's");
+        return None;
+    }
+    let store = tempfile::Builder::new()
+        .prefix("gpucr-store-")
+        .tempdir()
+        .unwrap();
+    let mut env = vec![
+        (
+            "GPUCR_STORE".to_string(),
+            store.path().display().to_string(),
+        ),
+        ("GPUCR_STORE_MODE".to_string(), mode.to_string()),
+        ("GPUCR_STORE_MIN_BYTES".to_string(), "16384".to_string()),
+    ];
+    if let Some(s) = shared {
+        env.push(("GPUCR_STORE_SHARED".into(), s.display().to_string()));
+    }
+    let ctd = Containerd::start_with_env(&env).expect("containerd");
+    let image = ctd.import_busybox().expect("busybox image");
+    Some(Node { ctd, image, store })
+}
+
+impl Node {
+    /// Runs a counter, checkpoints it into `dir` (leave running) and removes it; its spec
+    /// and the value it had reached.
+    fn checkpoint_counter(&self, id: &str, dir: &Path) -> (Vec<u8>, u64) {
+        self.ctd.run_counter(id, &self.image).unwrap();
+        let before = self.ctd.wait_counter_above(id, 8).unwrap();
+        let spec = self.ctd.container_spec(id).unwrap();
+        let flags = CheckpointFlags {
+            image_path: Some(dir),
+            ..Default::default()
+        };
+        let out = self.ctd.checkpoint_with_flags(id, &flags).unwrap();
+        assert!(
+            matches!(
+                out,
+                CheckpointOutcome::Dir(_) | CheckpointOutcome::Stored(_)
+            ),
+            "{out:?}"
+        );
+        self.ctd.remove_container(id).unwrap();
+        (spec, before)
+    }
+
+    fn manifests_of(&self, id: &str) -> usize {
+        std::fs::read_dir(self.store.path().join("manifests").join(id))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    fn restore(&self, id: &str, dir: &Path, spec: &[u8]) -> gpucr_tests::Result<()> {
+        self.ctd.restore_from_image_path(id, dir, &self.image, spec)
+    }
+
+    fn assert_counts_on(&self, id: &str, from: u64) {
+        self.ctd.wait_status(id, "RUNNING").unwrap();
+        let first = self.ctd.wait_counter_above(id, 0).unwrap();
+        assert!(
+            first >= from,
+            "restored counter {first} < checkpointed {from}"
+        );
+        self.ctd.wait_counter_above(id, first).unwrap();
+    }
+}
+
+/// The image holds the reference and not the pages; the files listed in the reference are
+/// the ones gone.
+fn assert_by_reference(dir: &Path) {
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join(REF_FILE)).expect("gpucr-store.json"))
+            .unwrap();
+    let files = r["files"].as_array().unwrap();
+    assert!(
+        files
+            .iter()
+            .any(|f| f["name"].as_str().unwrap().starts_with("pages-")),
+        "{r}"
+    );
+    for f in files {
+        let name = f["name"].as_str().unwrap();
+        assert!(!dir.join(name).exists(), "{name} is still in the image");
+    }
+}
+
+#[test]
+fn a_local_checkpoint_is_by_reference_and_restores() {
+    let Some(a) = node("local", None) else {
+        return;
+    };
+    let id = unique_id("st-local");
+    let dir = a.ctd.dir().join("ck-local");
+    let (spec, before) = a.checkpoint_counter(&id, &dir);
+    assert_by_reference(&dir);
+    assert_eq!(a.manifests_of(&id), 1);
+    a.restore(&id, &dir, &spec).expect("restore by reference");
+    a.assert_counts_on(&id, before);
+    // Through containerd's content store too: checkpoint the restored task, restore that.
+    let reference = format!("docker.io/gpucr/store-ref:{id}");
+    a.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let now = a.ctd.read_counter(&id).unwrap();
+    a.ctd.remove_container(&id).unwrap();
+    a.ctd.container_restore(&id, &reference, true).unwrap();
+    a.assert_counts_on(&id, now);
+    a.ctd.remove_container(&id).unwrap();
+}
+
+#[test]
+fn a_shared_checkpoint_restores_on_another_node_and_a_missing_one_is_refused() {
+    let shared = tempfile::Builder::new()
+        .prefix("gpucr-shared-")
+        .tempdir()
+        .unwrap();
+    let Some(a) = node("shared", Some(shared.path())) else {
+        return;
+    };
+    let b = node("inline", Some(shared.path())).unwrap();
+    let c = node("inline", None).unwrap();
+    let id = unique_id("st-shared");
+    let dir = a.ctd.dir().join("ck-shared");
+    let (spec, before) = a.checkpoint_counter(&id, &dir);
+    assert_by_reference(&dir);
+
+    // A node with no shared store: refused, naming what to set, and nothing created.
+    let e = c.restore(&id, &dir, &spec).unwrap_err().to_string();
+    assert!(e.contains("GPUCR_STORE_SHARED"), "{e}");
+    assert!(
+        c.ctd.tasks().unwrap().is_empty(),
+        "a refused restore made a task"
+    );
+    assert_eq!(c.manifests_of(&id), 0);
+
+    // Another node pulls the chunks it lacks from the shared store.
+    assert_eq!(b.manifests_of(&id), 0);
+    b.restore(&id, &dir, &spec)
+        .expect("restore on the second node");
+    b.assert_counts_on(&id, before);
+    assert_eq!(
+        b.manifests_of(&id),
+        1,
+        "pulled into the second node's store"
+    );
+    b.ctd.remove_container(&id).unwrap();
+
+    // A local checkpoint whose chunk is gone from the only store: refused, nothing created.
+    let lid = unique_id("st-gone");
+    let local = node("local", None).unwrap();
+    let ldir = local.ctd.dir().join("ck-gone");
+    let (lspec, _) = local.checkpoint_counter(&lid, &ldir);
+    let chunks = local.store.path().join("chunks");
+    let victim = walk_files(&chunks).into_iter().next().expect("a chunk");
+    std::fs::remove_file(&victim).unwrap();
+    let e = local.restore(&lid, &ldir, &lspec).unwrap_err().to_string();
+    assert!(e.contains("missing") || e.contains("lacks"), "{e}");
+    assert!(local.ctd.tasks().unwrap().is_empty());
+}
+
+fn walk_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk_files(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
+}
