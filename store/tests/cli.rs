@@ -76,3 +76,47 @@ fn ls_validate_gc_push_pull() {
         "{out}"
     );
 }
+
+#[test]
+fn import_then_export_round_trips_a_checkpoint_directory() {
+    let (store_dir, ckpt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let pages: Vec<u8> = (0..(9u32 << 20)).map(|i| (i % 251) as u8).collect();
+    std::fs::write(ckpt.path().join("pages-1.img"), &pages).unwrap();
+    std::fs::write(ckpt.path().join("inventory.img"), b"inv").unwrap();
+    let dir = ckpt.path().to_str().unwrap();
+    let (rc, out) = gpucr(store_dir.path(), &["import", dir, "--name", "ctr-1/1"]);
+    assert_eq!(rc, 0, "{out}");
+    assert!(out.contains("imported") && out.contains("1 files"), "{out}");
+    assert!(!ckpt.path().join("pages-1.img").exists());
+    assert!(ckpt.path().join("gpucr-store.json").exists());
+    let (rc, out) = gpucr(store_dir.path(), &["ls"]);
+    assert!(rc == 0 && out.contains("ctr-1/1"), "{out}");
+    let (rc, out) = gpucr(store_dir.path(), &["export", dir]);
+    assert_eq!(rc, 0, "{out}");
+    assert_eq!(
+        std::fs::read(ckpt.path().join("pages-1.img")).unwrap(),
+        pages
+    );
+    assert!(!ckpt.path().join("gpucr-store.json").exists());
+    // Export of a directory whose chunk is gone: refused, the directory unchanged.
+    let (rc, out) = gpucr(store_dir.path(), &["import", dir, "--name", "ctr-1/2"]);
+    assert_eq!(rc, 0, "{out}");
+    let chunks = store_dir.path().join("chunks");
+    let sub = std::fs::read_dir(&chunks)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let chunk = std::fs::read_dir(sub)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    std::fs::remove_file(chunk).unwrap();
+    let (rc, out) = gpucr(store_dir.path(), &["export", dir]);
+    assert_eq!(rc, 2, "{out}");
+    assert!(out.contains("missing"), "{out}");
+    assert!(ckpt.path().join("gpucr-store.json").exists());
+}

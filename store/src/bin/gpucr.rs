@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use gpucr_store::remote::DEFAULT_PARALLEL;
-use gpucr_store::{Remote, Retention, Store, StoreError};
+use gpucr_store::{dir, DirRef, IngestOptions, RefMode, Remote, Retention, Store, StoreError};
 
 #[derive(Parser)]
 #[command(
@@ -62,6 +62,29 @@ enum Command {
     },
     /// The store's totals: checkpoints, chunks, bytes held, bytes without sharing.
     Report,
+    /// Makes a by-reference checkpoint directory self-contained (its files back from the
+    /// store, pulled first from a shared store with --from): for copying it elsewhere, a
+    /// kubelet archive or `ctr image push`.
+    Export {
+        dir: PathBuf,
+        #[arg(long)]
+        from: Option<String>,
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+    },
+    /// Puts a self-contained checkpoint directory's large files into the store (the
+    /// directory keeps gpucr-store.json naming them), as a checkpoint with io.gpucr.store=local.
+    Import {
+        dir: PathBuf,
+        /// The store manifest's name, CONTAINER/LABEL (retention counts per CONTAINER).
+        #[arg(long)]
+        name: String,
+        /// Files smaller than this stay in the directory.
+        #[arg(long, default_value_t = 1 << 20)]
+        min_size: u64,
+        #[arg(long, default_value_t = default_threads())]
+        threads: usize,
+    },
 }
 
 fn default_threads() -> usize {
@@ -185,6 +208,45 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                     u.logical_bytes as f64 / u.chunk_bytes as f64
                 );
             }
+        }
+        Command::Export { dir, from, threads } => {
+            let Some(r) = DirRef::read(&dir)? else {
+                println!("{} is self-contained already", dir.display());
+                return Ok(ExitCode::SUCCESS);
+            };
+            if let Some(from) = from {
+                let remote = Remote::open(&from)?;
+                let t = runtime().block_on(remote.pull(&store, &r.manifest, DEFAULT_PARALLEL))?;
+                println!("pulled {}: {} fetched", r.manifest, bytes(t.bytes));
+            }
+            dir::materialize(&store, &dir, threads)?;
+            println!(
+                "exported {}: {} files, {} back in the directory",
+                dir.display(),
+                r.files.len(),
+                bytes(r.bytes())
+            );
+        }
+        Command::Import {
+            dir,
+            name,
+            min_size,
+            threads,
+        } => {
+            let opts = IngestOptions {
+                min_size,
+                mode: RefMode::Local,
+                shared: None,
+                threads,
+            };
+            let got = dir::ingest(&store, &dir, &name, &opts)?;
+            println!(
+                "imported {} as {name}: {} files, {} ({} new in the store)",
+                dir.display(),
+                got.dir_ref.files.len(),
+                bytes(got.dir_ref.bytes()),
+                bytes(got.written_bytes)
+            );
         }
     }
     Ok(ExitCode::SUCCESS)
