@@ -13,6 +13,8 @@
 //! - [`Store::gc`] and [`Retention`]: what is kept ([`gc`]); [`Store::validate`]: every chunk
 //!   against its digest ([`validate`]).
 //! - [`Remote`]: the shared store other nodes reach; `push` and `pull` ([`remote`]).
+//! - [`references::referenced_manifests`]: what checkpoints held by containerd or kubelet
+//!   still name, for `gc` to keep ([`references`]).
 //! - [`dir::ingest`] and [`dir::materialize`]: a checkpoint directory by reference, its large
 //!   files in the store and a small [`DirRef`] in their place ([`dir`]).
 
@@ -21,6 +23,7 @@ pub mod dir;
 pub mod error;
 pub mod gc;
 pub mod manifest;
+pub mod references;
 pub mod remote;
 pub mod store;
 pub mod usage;

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use gpucr_store::references::{referenced_manifests, DEFAULT_PLACES};
 use gpucr_store::remote::DEFAULT_PARALLEL;
 use gpucr_store::{dir, DirRef, IngestOptions, RefMode, Remote, Retention, Store, StoreError};
 
@@ -35,13 +36,19 @@ enum Command {
         #[arg(long, default_value_t = default_threads())]
         threads: usize,
     },
-    /// Removes checkpoints beyond the newest N per container (and the chunks only they hold).
+    /// Removes checkpoints beyond the newest N per container (and the chunks only they hold),
+    /// keeping every one a checkpoint still held by containerd or kubelet names.
     Gc {
         #[arg(long)]
         keep_last: usize,
         /// A checkpoint to keep whatever its age (repeatable).
         #[arg(long = "pin")]
         pinned: Vec<String>,
+        /// Where checkpoints that may reference the store are kept: files, directories or
+        /// tar archives searched for gpucr-store.json (repeatable; default containerd's
+        /// content store and kubelet's checkpoint directory).
+        #[arg(long = "referenced-in", default_values_t = DEFAULT_PLACES.map(String::from))]
+        referenced_in: Vec<String>,
     },
     /// Copies a checkpoint and its chunks to a shared store: a directory other nodes mount, or
     /// s3://BUCKET[/PREFIX] (endpoint and credentials from AWS_* variables).
@@ -154,11 +161,27 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 return Ok(ExitCode::from(1));
             }
         }
-        Command::Gc { keep_last, pinned } => {
-            let r = store.gc(&Retention {
-                keep_last,
-                pinned: pinned.into_iter().collect::<HashSet<_>>(),
-            })?;
+        Command::Gc {
+            keep_last,
+            pinned,
+            referenced_in,
+        } => {
+            let places: Vec<PathBuf> = referenced_in.iter().map(PathBuf::from).collect();
+            let refs = referenced_manifests(&places)?;
+            for holder in &refs.unreadable {
+                eprintln!(
+                    "gpucr: unreadable reference (not pinned): {}",
+                    holder.display()
+                );
+            }
+            println!(
+                "{} checkpoints referenced by {} held checkpoints: kept",
+                refs.manifests.len(),
+                refs.holders.len()
+            );
+            let mut pinned: HashSet<String> = pinned.into_iter().collect();
+            pinned.extend(refs.manifests);
+            let r = store.gc(&Retention { keep_last, pinned })?;
             for name in &r.manifests_removed {
                 println!("removed: {name}");
             }
