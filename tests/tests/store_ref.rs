@@ -76,6 +76,24 @@ impl Node {
             .unwrap_or(0)
     }
 
+    /// The installed `gpucr` CLI on this node's store.
+    fn gpucr(&self, args: &[&str]) -> String {
+        let bin = gpucr_tests::shim_dir().unwrap().join("gpucr");
+        let out = std::process::Command::new(&bin)
+            .arg("--store")
+            .arg(self.store.path())
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", bin.display()));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "gpucr {args:?}: {text}");
+        text
+    }
+
     fn restore(&self, id: &str, dir: &Path, spec: &[u8]) -> gpucr_tests::Result<()> {
         self.ctd.restore_from_image_path(id, dir, &self.image, spec)
     }
@@ -127,6 +145,19 @@ fn a_local_checkpoint_is_by_reference_and_restores() {
     a.ctd.container_checkpoint(&id, &reference, true).unwrap();
     let now = a.ctd.read_counter(&id).unwrap();
     a.ctd.remove_container(&id).unwrap();
+    assert_eq!(a.manifests_of(&id), 2);
+    // gc keeping none by age: the checkpoint containerd holds keeps its chunks, the image-path
+    // one (self-contained again since its restore) goes.
+    let content = a.ctd.dir().join("root/io.containerd.content.v1.content");
+    let out = a.gpucr(&[
+        "gc",
+        "--keep-last",
+        "0",
+        "--referenced-in",
+        content.to_str().unwrap(),
+    ]);
+    assert!(out.contains("1 checkpoints referenced"), "{out}");
+    assert_eq!(a.manifests_of(&id), 1);
     a.ctd.container_restore(&id, &reference, true).unwrap();
     a.assert_counts_on(&id, now);
     a.ctd.remove_container(&id).unwrap();
