@@ -27,8 +27,8 @@ use crate::{
     layout,
 };
 
-/// The image check's file (see `records`).
-pub const MANIFEST: &str = crate::records::CHECKPOINT;
+/// The image check's file (listed with the image's other records in `records`).
+pub const MANIFEST: &str = "gpucr-checkpoint.json";
 /// 2: per-chunk BLAKE3 of every file. 1 (older gpucr): small files by FNV-1a, large by size.
 const MANIFEST_VERSION: u32 = 2;
 /// The unit a damaged byte is located to.

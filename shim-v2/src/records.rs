@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::gpu::hook::HookRecord;
 
 /// Every file of the image, sizes and per-chunk hashes: the image check.
-pub const CHECKPOINT: &str = "gpucr-checkpoint.json";
+pub const CHECKPOINT: &str = crate::manifest::MANIFEST;
 /// What the hook moved, per process.
 pub const HOOK: &str = "gpucr-hook.json";
 /// The directory of the hook's per-process GPU state images.
