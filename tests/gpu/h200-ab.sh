@@ -15,6 +15,8 @@
 #   GPUCR_HOOK_SIZES "1+15:driver,fast" (16 GiB: the driver alone, then the hook's cycle),
 #   GPUCR_HOOK_OVERHEAD_ROUNDS 1, GPUCR_HOOK_E2E "c t" (a CUDA container and PyTorch's
 #   training loop through ctr checkpoint/restore, every step checked against a reference).
+#   Per side: GPUCR_AB_E2E_BEFORE, GPUCR_AB_E2E_AFTER ("" skips the containers part) and
+#   GPUCR_AB_BUDGET_BEFORE_S, GPUCR_AB_BUDGET_AFTER_S.
 # Results: $OUT/SIDE/ (h200-hook.sh's files), $OUT/ab-summary.txt (the table).
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -39,8 +41,15 @@ for side in ${GPUCR_AB_ORDER:-before after}; do
   cp "$bin"/* "$c/bin/"
   [ -f "$c/bin/shim-ckpt" ] || cp "$REPO/carry/bin/shim-ckpt" "$c/bin/"
   echo "[$(date -u +%T)] side $side: $(ls "$c/bin" | tr '\n' ' ')"
-  GPUCR_E2E_CARRY=$c GPUCR_HOOK_BUDGET_S=$per OUT=$OUT/$side \
-    timeout -k 10 $((per + 40)) bash "$REPO/tests/gpu/h200-hook.sh" >"$OUT/$side.log" 2>&1
+  # Per side: GPUCR_AB_E2E_BEFORE / GPUCR_AB_E2E_AFTER (the containers part; "" skips it)
+  # and GPUCR_AB_BUDGET_BEFORE_S / GPUCR_AB_BUDGET_AFTER_S, else the shared settings.
+  side_uc=$(echo "$side" | tr 'a-z-' 'A-Z_')
+  e2e_var=GPUCR_AB_E2E_$side_uc
+  budget_var=GPUCR_AB_BUDGET_${side_uc}_S
+  side_e2e=${!e2e_var-$GPUCR_HOOK_E2E}
+  side_budget=${!budget_var:-$per}
+  GPUCR_HOOK_E2E=$side_e2e GPUCR_E2E_CARRY=$c GPUCR_HOOK_BUDGET_S=$side_budget OUT=$OUT/$side \
+    timeout -k 10 $((side_budget + 40)) bash "$REPO/tests/gpu/h200-hook.sh" >"$OUT/$side.log" 2>&1
   echo "[$(date -u +%T)] side $side: h200-hook.sh exit $?"
   # The e2e part removes its data; the images of the hook part are removed by the script.
 done
