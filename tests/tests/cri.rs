@@ -277,3 +277,43 @@ fn a_17_config_naming_gpucr_migrates_to_2x() {
         "the gpucr runtime keeps its type and options:\n{gpucr}"
     );
 }
+
+/// By reference through kubelet's calls (issue 22): with the node's store mode `local`, the
+/// archive CheckpointContainer writes holds `gpucr-store.json` instead of CRIU's pages, and
+/// both restores (from the archive, from a checkpoint image built from it) put them back from
+/// the store.
+#[test]
+fn a_checkpoint_by_reference_goes_through_kubelets_archive() {
+    let store = tempfile::Builder::new()
+        .prefix("gpucr-cri-store-")
+        .tempdir()
+        .expect("tempdir");
+    let env = vec![
+        ("GPUCR_STORE".into(), store.path().as_os_str().to_owned()),
+        ("GPUCR_STORE_MODE".into(), "local".into()),
+        ("GPUCR_STORE_MIN_BYTES".into(), "16384".into()),
+    ];
+    let mut node = CriNode::start_with_env(&[Handler::gpucr()], env);
+    let (_, archive) = kubelet_flow(&mut node, "gpucr", 0);
+    let names = archive_names(&archive);
+    assert!(
+        names.iter().any(|n| n.ends_with("gpucr-store.json")),
+        "no reference in the archive: {names:?}"
+    );
+    assert!(
+        !names.iter().any(|n| n
+            .rsplit('/')
+            .next()
+            .is_some_and(|b| b.starts_with("pages-"))),
+        "CRIU's pages are in the archive: {names:?}"
+    );
+    let manifests = store.path().join("manifests");
+    assert_eq!(
+        std::fs::read_dir(&manifests)
+            .map(|d| d.count())
+            .unwrap_or(0),
+        1,
+        "one container's checkpoints in {}",
+        manifests.display()
+    );
+}
