@@ -99,14 +99,14 @@ cargo test "${offline[@]}" --release --workspace --no-fail-fast -- --test-thread
 status=${PIPESTATUS[0]}
 set -e
 
-step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines)"
+step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines, store_ref)"
 # About 2 minutes on 2 cores; the CRI suites (tests/tests/cri.rs, cri_gpu_fake.rs) ran above, on
 # 2.x by themselves.
 set +e
 c2_status=0
 if [ -n "${GPUCR_TEST_CONTAINERD2:-}" ]; then
   GPUCR_TEST_CONTAINERD=$GPUCR_TEST_CONTAINERD2 cargo test "${offline[@]}" --release -p gpucr-tests \
-    --no-fail-fast --test checkpoint --test lifecycle --test io --test task_api_client --test deadlines \
+    --no-fail-fast --test checkpoint --test lifecycle --test io --test task_api_client --test deadlines --test store_ref \
     -- --test-threads="${TEST_THREADS:-2}" 2>&1 | tee "$log_dir/test-containerd2.log"
   c2_status=${PIPESTATUS[0]}
 else
