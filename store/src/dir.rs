@@ -155,7 +155,11 @@ pub fn ingest(store: &Store, dir: &Path, name: &str, opts: &IngestOptions) -> Re
         chunks.extend(put_file(&writer, &dir.join(&f.name), f, opts.threads)?);
     }
     let written_bytes = writer.written_bytes();
-    let meta = serde_json::json!({ "files": files, "chunk_size": CHUNK_SIZE });
+    // What `gpucr ls` shows beside the sizes: the mode and where the bytes are.
+    let meta = serde_json::json!({
+        "files": files, "chunk_size": CHUNK_SIZE, "mode": opts.mode, "node": hostname(),
+        "shared": opts.shared,
+    });
     let manifest = writer.publish(name, chunks, meta)?;
     let dir_ref = DirRef {
         format: REF_FORMAT.into(),

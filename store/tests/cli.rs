@@ -91,6 +91,8 @@ fn import_then_export_round_trips_a_checkpoint_directory() {
     assert!(ckpt.path().join("gpucr-store.json").exists());
     let (rc, out) = gpucr(store_dir.path(), &["ls"]);
     assert!(rc == 0 && out.contains("ctr-1/1"), "{out}");
+    let row = out.lines().find(|l| l.starts_with("ctr-1/1")).unwrap();
+    assert!(row.contains("local") && row.contains("node "), "{out}");
     let (rc, out) = gpucr(store_dir.path(), &["export", dir]);
     assert_eq!(rc, 0, "{out}");
     assert_eq!(

@@ -122,17 +122,24 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
         Command::Ls => {
             let usage = store.usage()?;
             println!(
-                "{:<48} {:>7} {:>10} {:>10} {:>8}",
-                "NAME", "CHUNKS", "SIZE", "UNIQUE", "AGE"
+                "{:<48} {:>7} {:>10} {:>10} {:>8}  {:<7} WHERE",
+                "NAME", "CHUNKS", "SIZE", "UNIQUE", "AGE", "MODE"
             );
             for m in &usage.manifests {
+                let meta = |k: &str| m.manifest.meta.get(k).and_then(|v| v.as_str());
+                let place = match (meta("shared"), meta("node")) {
+                    (Some(s), _) => format!("shared {s}"),
+                    (None, Some(n)) => format!("node {n}"),
+                    (None, None) => "-".into(),
+                };
                 println!(
-                    "{:<48} {:>7} {:>10} {:>10} {:>8}",
+                    "{:<48} {:>7} {:>10} {:>10} {:>8}  {:<7} {place}",
                     m.manifest.name,
                     m.manifest.chunks.len(),
                     bytes(m.manifest.logical_bytes()),
                     bytes(m.unique_bytes),
-                    age(m.manifest.created_unix_ms)
+                    age(m.manifest.created_unix_ms),
+                    meta("mode").unwrap_or("-"),
                 );
             }
         }
