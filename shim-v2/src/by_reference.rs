@@ -171,9 +171,19 @@ pub async fn resolve(id: &str, image: &Path) -> Result<()> {
                     .pull(&store, &r.manifest, PARALLEL)
                     .await
                     .map_err(|e| {
+                        // A local checkpoint is in its node's store only.
+                        let hint = match r.mode {
+                            RefMode::Local => format!(
+                                "; it was taken by reference to the store of node {:?} (mode \
+                                 local): restore it there, or make it self-contained there \
+                                 with `gpucr export DIR`",
+                                r.node
+                            ),
+                            RefMode::Shared => String::new(),
+                        };
                         refuse(format!(
-                            "the checkpoint's data is not in this node's store ({}) and cannot be \
-                         pulled from the shared store: {e}",
+                            "the checkpoint's data is not in this node's store ({}) and cannot \
+                             be pulled from the shared store: {e}{hint}",
                             store.root().display()
                         ))
                     })?;
