@@ -31,8 +31,9 @@ step() { printf '\n==== %s (%ss) ====\n' "$*" "$(($(date +%s) - started))"; }
 step "install dependencies (install/deps.sh: changes no installed package)"
 bash tests/node-unchanged.sh snapshot-packages "$log_dir/node"
 bash install/deps.sh
-# Build tools for crates with C parts; script(1) (util-linux/bsdutils) for the terminal tests.
-gpucr_apt_install_new build-essential pkg-config ca-certificates bsdutils
+# Build tools for crates with C parts; script(1) (util-linux/bsdutils) for the terminal tests;
+# ip(8) for the second node's network namespace (tests/tests/store_s3.rs).
+gpucr_apt_install_new build-essential pkg-config ca-certificates bsdutils iproute2
 
 if ! gpucr_find_cargo; then
   step "install cargo from the release (no cargo on PATH or in ~/.cargo/bin)"
@@ -99,14 +100,14 @@ cargo test "${offline[@]}" --release --workspace --no-fail-fast -- --test-thread
 status=${PIPESTATUS[0]}
 set -e
 
-step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines, store_ref)"
+step "the ctr and Task API suites again against containerd 2.x (checkpoint, lifecycle, io, task_api_client, deadlines, store_ref, store_s3)"
 # About 2 minutes on 2 cores; the CRI suites (tests/tests/cri.rs, cri_gpu_fake.rs) ran above, on
 # 2.x by themselves.
 set +e
 c2_status=0
 if [ -n "${GPUCR_TEST_CONTAINERD2:-}" ]; then
   GPUCR_TEST_CONTAINERD=$GPUCR_TEST_CONTAINERD2 cargo test "${offline[@]}" --release -p gpucr-tests \
-    --no-fail-fast --test checkpoint --test lifecycle --test io --test task_api_client --test deadlines --test store_ref \
+    --no-fail-fast --test checkpoint --test lifecycle --test io --test task_api_client --test deadlines --test store_ref --test store_s3 \
     -- --test-threads="${TEST_THREADS:-2}" 2>&1 | tee "$log_dir/test-containerd2.log"
   c2_status=${PIPESTATUS[0]}
 else

@@ -147,6 +147,9 @@ pub struct StartOptions {
     /// Files the config imports (containerd 2.x), e.g. the drop-in install/install.sh writes:
     /// `/etc/containerd/conf.d/*.toml`.
     pub imports: Vec<String>,
+    /// A network namespace (`/run/netns/NAME`) the daemon, and so its shims and their
+    /// containers' host network, run in: another node's network ([`crate::netns::NetNs`]).
+    pub netns: Option<PathBuf>,
 }
 
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -195,6 +198,7 @@ struct Launch {
     path: std::ffi::OsString,
     tmp: PathBuf,
     env: Vec<(std::ffi::OsString, std::ffi::OsString)>,
+    netns: Option<PathBuf>,
 }
 
 impl Containerd {
@@ -275,6 +279,7 @@ impl Containerd {
                 path,
                 tmp,
                 env: opts.env,
+                netns: opts.netns,
             },
         };
         containerd.child = Some(containerd.spawn_daemon()?);
@@ -292,8 +297,26 @@ impl Containerd {
             .try_clone()
             .map_err(HarnessError::io("dup containerd log", &self.log_path))?;
         let l = &self.launch;
-        Command::new(&self.daemon.containerd)
-            .arg("--config")
+        let mut cmd = Command::new(&self.daemon.containerd);
+        // Joined in the child before exec; the file stays open here until the spawn is done.
+        let netns = match &l.netns {
+            Some(ns) => Some(fs::File::open(ns).map_err(HarnessError::io("open netns", ns))?),
+            None => None,
+        };
+        if let Some(f) = &netns {
+            let fd = std::os::fd::AsRawFd::as_raw_fd(f);
+            // SAFETY: the closure only calls setns, which is async-signal-safe.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) == 0 {
+                        Ok(())
+                    } else {
+                        Err(std::io::Error::last_os_error())
+                    }
+                });
+            }
+        }
+        cmd.arg("--config")
             .arg(&l.config)
             .env("PATH", &l.path)
             .env("TMPDIR", &l.tmp)
@@ -362,6 +385,11 @@ impl Containerd {
     /// The runtime the tests pass to `ctr --runtime`.
     pub fn runtime(&self) -> &str {
         &self.runtime
+    }
+
+    /// The daemon's pid, while it runs.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The daemon's private directory (config, log, root, state); a place for test files too.

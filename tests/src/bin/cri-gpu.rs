@@ -172,6 +172,7 @@ fn start_node(plan: &Value, out: &Path) -> Result<Node> {
             .into_iter()
             .map(|(k, v)| (k.into(), v.into()))
             .collect(),
+        ..StartOptions::default()
     })?;
     log(&format!(
         "containerd {} with CRI at {}",
