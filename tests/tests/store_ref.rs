@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use gpucr_tests::{
-    runtime_under_test,
+    files_under, runtime_under_test,
     shim_client::{CheckpointFlags, CheckpointOutcome},
     unique_id, Containerd, GPUCR_RUNTIME,
 };
@@ -206,22 +206,9 @@ fn a_shared_checkpoint_restores_on_another_node_and_a_missing_one_is_refused() {
     let ldir = local.ctd.dir().join("ck-gone");
     let (lspec, _) = local.checkpoint_counter(&lid, &ldir);
     let chunks = local.store.path().join("chunks");
-    let victim = walk_files(&chunks).into_iter().next().expect("a chunk");
+    let victim = files_under(&chunks).into_iter().next().expect("a chunk");
     std::fs::remove_file(&victim).unwrap();
     let e = local.restore(&lid, &ldir, &lspec).unwrap_err().to_string();
     assert!(e.contains("missing") || e.contains("lacks"), "{e}");
     assert!(local.ctd.tasks().unwrap().is_empty());
-}
-
-fn walk_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk_files(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
 }
