@@ -5,23 +5,25 @@
 //! what this node lacks from the shared store; anything missing refuses the restore with
 //! nothing created.
 //!
-//! Modes, per container ([`MODE_ANNOTATION`]) or per node ([`MODE_ENV`]):
+//! Modes, per container ([`MODE_ANNOTATION`]), per RuntimeClass (its runtime options) or
+//! per node ([`MODE_ENV`]); `store_config` resolves them with the store's location:
 //! - `inline` (default): the image is self-contained, as without a store.
 //! - `local`: this node's store ([`STORE_ENV`]); restorable on this node only, and the
 //!   reference says which node (`gpucr export` makes it self-contained again).
 //! - `shared`: also pushed to the shared store [`SHARED_ENV`] (a directory other nodes mount,
 //!   or `s3://BUCKET[/PREFIX]`), from which another node's restore pulls it.
 //!
-//! The store's location is the node's (containerd's environment), never a pod's: a pod's
-//! annotations choose only the mode.
+//! The store's location is the node's (containerd's config or environment), never a pod's:
+//! a pod's annotations choose only the mode.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use gpucr_store::{dir, DirRef, IngestOptions, RefMode, Remote, Store};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::store_config::{StoreConfig, SHARED_OPTION};
 
 /// Annotation: `inline`, `local` or `shared`.
 pub const MODE_ANNOTATION: &str = "io.gpucr.store";
@@ -35,47 +37,16 @@ pub const DEFAULT_STORE: &str = "/var/lib/gpucr/store";
 pub const SHARED_ENV: &str = "GPUCR_STORE_SHARED";
 /// Shim environment: files below this many bytes stay in the image (default 1 MiB).
 pub const MIN_BYTES_ENV: &str = "GPUCR_STORE_MIN_BYTES";
-const DEFAULT_MIN_BYTES: u64 = 1 << 20;
 /// Chunks in flight to or from the shared store.
 const PARALLEL: usize = 16;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Mode {
     #[default]
     Inline,
     Local,
     Shared,
-}
-
-impl Mode {
-    /// The container's mode: its annotation, else the node's, else `inline`.
-    pub fn from_annotations(annotations: &HashMap<String, String>) -> Result<Mode> {
-        let (value, from) = match annotations.get(MODE_ANNOTATION) {
-            Some(v) => (v.clone(), MODE_ANNOTATION),
-            None => match std::env::var(MODE_ENV) {
-                Ok(v) if !v.is_empty() => (v, MODE_ENV),
-                _ => return Ok(Mode::Inline),
-            },
-        };
-        match value.trim() {
-            "inline" => Ok(Mode::Inline),
-            "local" => Ok(Mode::Local),
-            "shared" => Ok(Mode::Shared),
-            other => Err(Error::invalid(format!(
-                "{from}={other:?}: the store mode is inline, local or shared"
-            ))),
-        }
-    }
-}
-
-fn store_dir() -> PathBuf {
-    std::env::var_os(STORE_ENV)
-        .filter(|v| !v.is_empty())
-        .map_or_else(|| PathBuf::from(DEFAULT_STORE), PathBuf::from)
-}
-
-fn shared() -> Option<String> {
-    std::env::var(SHARED_ENV).ok().filter(|v| !v.is_empty())
 }
 
 fn threads() -> usize {
@@ -85,19 +56,25 @@ fn threads() -> usize {
 /// Gives a sealed image's large files to the store (mode `local` or `shared`). The image
 /// stays self-contained when this fails before its reference is written; the error says
 /// what failed, for the checkpoint's.
-pub async fn give_to_store(id: &str, image: &Path, mode: Mode) -> std::result::Result<(), String> {
+pub async fn give_to_store(
+    id: &str,
+    image: &Path,
+    cfg: &StoreConfig,
+) -> std::result::Result<(), String> {
+    let mode = cfg.mode;
     let ref_mode = match mode {
         Mode::Inline => return Ok(()),
         Mode::Local => RefMode::Local,
         Mode::Shared => RefMode::Shared,
     };
-    let shared_at = shared();
+    let shared_at = cfg.shared().map(str::to_string);
     let remote = match (mode, &shared_at) {
         (Mode::Shared, None) => {
             return Err(format!(
-                "{MODE_ANNOTATION}=shared, and this node has no shared store: set {SHARED_ENV} \
-                 in containerd's environment (a directory other nodes mount, or \
-                 s3://BUCKET/PREFIX)"
+                "{}, and this node has no shared store: set {SHARED_OPTION} in the runtime's \
+                 options or {SHARED_ENV} in containerd's environment (a directory other nodes \
+                 mount, or s3://BUCKET/PREFIX)",
+                cfg.mode_from.named("shared")
             ))
         }
         (Mode::Shared, Some(at)) => Some(Remote::open(at).map_err(|e| e.to_string())?),
@@ -114,12 +91,12 @@ pub async fn give_to_store(id: &str, image: &Path, mode: Mode) -> std::result::R
     );
     let (at, name2) = (image.to_path_buf(), name.clone());
     let opts = IngestOptions {
-        min_size: min_bytes(),
+        min_size: cfg.min_bytes,
         mode: ref_mode,
         shared: shared_at.clone().filter(|_| mode == Mode::Shared),
         threads: threads(),
     };
-    let store_at = store_dir();
+    let store_at = cfg.dir.clone();
     let (store, ingested) = crate::gpu::blocking("store", move || {
         let store = Store::open(&store_at)?;
         let ingested = dir::ingest(&store, &at, &name2, &opts)?;
@@ -147,7 +124,7 @@ pub async fn give_to_store(id: &str, image: &Path, mode: Mode) -> std::result::R
 /// At Create: puts a by-reference image's files back from the store, pulling what this
 /// node lacks from the shared store first. Nothing of the image changes when a chunk is
 /// missing.
-pub async fn resolve(id: &str, image: &Path) -> Result<()> {
+pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<()> {
     let refuse = |msg: String| Error::Restore {
         id: id.to_string(),
         image: image.to_path_buf(),
@@ -157,14 +134,15 @@ pub async fn resolve(id: &str, image: &Path) -> Result<()> {
         return Ok(());
     };
     let started = Instant::now();
-    let store = Store::open(store_dir()).map_err(|e| refuse(format!("the store: {e}")))?;
+    let store =
+        Store::open(&cfg.dir).map_err(|e| refuse(format!("the store {}: {e}", cfg.dir_label())))?;
     let whole = store
         .manifest(&r.manifest)
         .is_ok_and(|m| store.missing_chunks(&m).is_empty());
     if !whole {
-        match (shared(), r.mode) {
+        match (cfg.shared(), r.mode) {
             (Some(at), _) => {
-                let remote = Remote::open(&at).map_err(|e| refuse(e.to_string()))?;
+                let remote = Remote::open(at).map_err(|e| refuse(e.to_string()))?;
                 tracing::info!(%id, manifest = %r.manifest, shared = %remote.label(),
                     bytes = r.bytes(), "pulling the checkpoint's chunks from the shared store");
                 let t = remote
@@ -182,9 +160,9 @@ pub async fn resolve(id: &str, image: &Path) -> Result<()> {
                             RefMode::Shared => String::new(),
                         };
                         refuse(format!(
-                            "the checkpoint's data is not in this node's store ({}) and cannot \
+                            "the checkpoint's data is not in this node's store {} and cannot \
                              be pulled from the shared store: {e}{hint}",
-                            store.root().display()
+                            cfg.dir_label()
                         ))
                     })?;
                 tracing::info!(%id, manifest = %r.manifest, fetched = t.bytes,
@@ -194,18 +172,19 @@ pub async fn resolve(id: &str, image: &Path) -> Result<()> {
             (None, RefMode::Local) => {
                 return Err(refuse(format!(
                     "the checkpoint is by reference to the store of node {:?} (mode local) and \
-                     this node's store ({}) lacks {}: restore it on that node, make it \
-                     self-contained there (`gpucr export DIR`), or checkpoint with \
-                     {MODE_ANNOTATION}=shared",
+                     this node's store {} lacks {}: restore it on that node (and in a pod of \
+                     the same runtime class), make it self-contained there (`gpucr export \
+                     DIR`), or checkpoint with {MODE_ANNOTATION}=shared",
                     r.node,
-                    store.root().display(),
+                    cfg.dir_label(),
                     r.manifest
                 )))
             }
             (None, RefMode::Shared) => {
                 return Err(refuse(format!(
                     "the checkpoint's data is in the shared store {} and this node has none \
-                     configured: set {SHARED_ENV} in containerd's environment",
+                     configured: set {SHARED_OPTION} in the runtime's options or {SHARED_ENV} \
+                     in containerd's environment",
                     r.shared.as_deref().unwrap_or("(unnamed)")
                 )))
             }
@@ -219,13 +198,6 @@ pub async fn resolve(id: &str, image: &Path) -> Result<()> {
         elapsed_ms = started.elapsed().as_millis() as u64,
         "the checkpoint's files are back from the store");
     Ok(())
-}
-
-fn min_bytes() -> u64 {
-    std::env::var(MIN_BYTES_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(DEFAULT_MIN_BYTES)
 }
 
 /// A store manifest name's first segment from a container id.
@@ -249,16 +221,6 @@ fn sanitize(id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_mode_comes_from_the_annotation() {
-        let a = |v: &str| HashMap::from([(MODE_ANNOTATION.to_string(), v.to_string())]);
-        assert_eq!(Mode::from_annotations(&a("local")).unwrap(), Mode::Local);
-        assert_eq!(Mode::from_annotations(&a("shared")).unwrap(), Mode::Shared);
-        assert_eq!(Mode::from_annotations(&a("inline")).unwrap(), Mode::Inline);
-        let e = Mode::from_annotations(&a("nfs")).unwrap_err().to_string();
-        assert!(e.contains("inline, local or shared"), "{e}");
-    }
 
     #[test]
     fn manifest_names_are_made_from_any_id() {

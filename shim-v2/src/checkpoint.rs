@@ -358,7 +358,7 @@ impl Container {
         let mut written = written.await;
         if written.is_ok() {
             // Its large files into the store (mode local or shared), the image sealed first.
-            if let Err(msg) = by_reference::give_to_store(&self.id, image, self.store).await {
+            if let Err(msg) = by_reference::give_to_store(&self.id, image, &self.store).await {
                 tracing::error!(id = %self.id, "checkpoint failed: {msg}");
                 written = Err(Error::Checkpoint {
                     id: self.id.clone(),

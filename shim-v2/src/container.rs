@@ -35,6 +35,7 @@ use crate::{
     reaper::Spawner,
     records::Records,
     runc::{CheckpointOpts, CreateOpts, ExecOpts, RestoreOpts, Runc},
+    store_config::StoreConfig,
     unpacked::UnpackedCheckpoint,
 };
 
@@ -53,8 +54,9 @@ pub struct Container {
     pub gpu: GpuConfig,
     /// How long CRIU may take (from its annotations, else by memory).
     pub deadlines: Deadlines,
-    /// Where a checkpoint's large files go (`by_reference`; from its annotations).
-    pub store: crate::by_reference::Mode,
+    /// Where a checkpoint's large files go and where a restore finds them (`by_reference`;
+    /// from its annotations, runtime options and the shim's environment).
+    pub store: StoreConfig,
     /// Whether the container's processes have the hook library preloaded.
     pub hook: bool,
     /// The init process; held across one verb (see InitProcess).
@@ -304,7 +306,11 @@ impl Container {
         let annotations = spec_annotations(&cfg.bundle);
         let gpu = GpuConfig::from_annotations(&annotations)?;
         let deadlines = Deadlines::from_annotations(&annotations)?;
-        let store = crate::by_reference::Mode::from_annotations(&annotations)?;
+        let store = StoreConfig::resolve(&annotations, &cfg.opts.store)?;
+        if store.mode != crate::by_reference::Mode::Inline || cfg.checkpoint.is_some() {
+            tracing::info!(id = %cfg.id, mode = ?store.mode, mode_from = %store.mode_from,
+                store = %store.dir_label(), shared = ?store.shared(), "the checkpoint store");
+        }
         let mut gpu_pairs = Vec::new();
         let mut records = Records::default();
         let mut helpers = HelperChoice::NotWanted;
@@ -312,7 +318,7 @@ impl Container {
         if let Some(image) = &cfg.checkpoint {
             // A by-reference image's files back from the store, before anything reads it.
             if image.is_dir() {
-                crate::by_reference::resolve(&cfg.id, image).await?;
+                crate::by_reference::resolve(&cfg.id, image, &store).await?;
             }
             // The hook's images back in their directories (a checkpoint leaves them flat);
             // a missing image is validate_image's to refuse.

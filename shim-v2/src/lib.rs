@@ -28,6 +28,7 @@ pub mod restore_cgroup;
 pub mod runc;
 pub mod service;
 pub mod stats;
+pub mod store_config;
 pub mod task;
 pub mod unpacked;
 

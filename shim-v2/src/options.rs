@@ -4,7 +4,8 @@
 //! - `containerd.linux.runc.CreateOptions` / `CheckpointOptions`: what containerd 1.7's Go
 //!   client sends to a runtime whose name is not `io.containerd.runc.*`.
 //! - `runtimeoptions.v1.Options`: what CRI sends to a non-runc runtime; its `config_body` is
-//!   the TOML of the runtime's `options` table (Go field names: `BinaryName`, `SystemdCgroup`…).
+//!   the TOML of the runtime's `options` table (Go field names: `BinaryName`, `SystemdCgroup`…,
+//!   and gpucr's own store keys, `StoreMode`…: a RuntimeClass's store, `store_config`).
 
 use std::path::{Path, PathBuf};
 
@@ -15,12 +16,14 @@ use containerd_shim_protos::{
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, IoContext, Result};
+use crate::store_config::StoreOptions;
 
 /// Written at Create so that `delete` (run when the shim is gone) uses the same runc.
 const OPTIONS_FILE: &str = "gpucr-options.json";
 
 /// The runc options that the shim honours, whatever type they came in.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RuntimeOptions {
     pub binary_name: String,
     pub root: String,
@@ -32,6 +35,8 @@ pub struct RuntimeOptions {
     pub criu_image_path: String,
     pub criu_work_path: String,
     pub shim_cgroup: String,
+    /// The RuntimeClass's store (CRI's TOML only).
+    pub store: StoreOptions,
 }
 
 impl RuntimeOptions {
@@ -74,8 +79,9 @@ const LEGACY_CREATE_OPTIONS: &str = "containerd.linux.runc.CreateOptions";
 const CRI_OPTIONS: &str = "runtimeoptions.v1.Options";
 const LEGACY_CHECKPOINT_OPTIONS: &str = "containerd.linux.runc.CheckpointOptions";
 
-/// The keys of a runtime options TOML that gpucr honours (runc's Go field names).
-const TOML_KEYS: [&str; 10] = [
+/// The keys of a runtime options TOML that gpucr honours (runc's Go field names, then
+/// gpucr's own).
+const TOML_KEYS: [&str; 14] = [
     "BinaryName",
     "Root",
     "SystemdCgroup",
@@ -86,6 +92,10 @@ const TOML_KEYS: [&str; 10] = [
     "CriuImagePath",
     "CriuWorkPath",
     "ShimCgroup",
+    crate::store_config::MODE_OPTION,
+    crate::store_config::STORE_OPTION,
+    crate::store_config::SHARED_OPTION,
+    crate::store_config::MIN_BYTES_OPTION,
 ];
 /// `runtimeoptions.v1.Options`' own fields: CRI reads them from the same table (and then
 /// sends the table as it is), so they may appear and mean nothing to the shim.
@@ -128,6 +138,7 @@ impl RuntimeOptions {
                     criu_image_path: o.criu_image_path,
                     criu_work_path: o.criu_work_path,
                     shim_cgroup: o.shim_cgroup,
+                    ..Default::default()
                 })
             }
             LEGACY_CREATE_OPTIONS => {
@@ -179,6 +190,10 @@ impl RuntimeOptions {
             criu_image_path: String,
             criu_work_path: String,
             shim_cgroup: String,
+            store_mode: String,
+            store: String,
+            store_shared: String,
+            store_min_bytes: Option<i64>,
         }
         let table: toml::Table = toml::from_str(text).map_err(|e| Error::Decode {
             what: "runtime options TOML",
@@ -209,6 +224,12 @@ impl RuntimeOptions {
             criu_image_path: g.criu_image_path,
             criu_work_path: g.criu_work_path,
             shim_cgroup: g.shim_cgroup,
+            store: StoreOptions::from_values(
+                &g.store_mode,
+                &g.store,
+                &g.store_shared,
+                g.store_min_bytes,
+            )?,
         })
     }
 
@@ -563,6 +584,59 @@ mod tests {
         assert!(e.unwrap_err().to_string().contains("TaskApiAddress"));
         // CRI's own keys are consumed by containerd and mean nothing here.
         start_decode(&cri_options("ConfigPath = ''").write_to_bytes().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_runtime_class_names_its_store() {
+        use crate::by_reference::Mode;
+        let body = "BinaryName = 'runc'\nStoreMode = 'local'\nStore = '/mnt/tmpfs/store'\n\
+                    StoreShared = 's3://bucket/gpucr'\nStoreMinBytes = 65536\n";
+        let r = start_decode(&cri_options(body).write_to_bytes().unwrap()).unwrap();
+        assert_eq!(r.binary(), "runc");
+        assert_eq!(
+            r.store,
+            StoreOptions {
+                mode: Some(Mode::Local),
+                store: Some("/mnt/tmpfs/store".into()),
+                shared: Some("s3://bucket/gpucr".into()),
+                min_bytes: Some(65536),
+            }
+        );
+        // Kept in the bundle with the rest; a bundle written before these keys still reads.
+        let dir = tempfile::tempdir().unwrap();
+        r.write_to_bundle(dir.path()).unwrap();
+        assert_eq!(RuntimeOptions::read_from_bundle(dir.path()), r);
+        std::fs::write(dir.path().join(OPTIONS_FILE), r#"{"binary_name":"crun"}"#).unwrap();
+        let old = RuntimeOptions::read_from_bundle(dir.path());
+        assert_eq!(
+            (old.binary(), &old.store),
+            ("crun", &StoreOptions::default())
+        );
+
+        let e = start_decode(&cri_options("StoreMode = 'nfs'").write_to_bytes().unwrap());
+        let e = e.unwrap_err().to_string();
+        assert!(e.contains("runtime option StoreMode=\"nfs\""), "{e}");
+        let e = start_decode(&cri_options("Store = 'rel'").write_to_bytes().unwrap());
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("runtime option Store=\"rel\""));
+        let e = start_decode(&cri_options("StoreMinBytes = -1").write_to_bytes().unwrap());
+        assert!(e.unwrap_err().to_string().contains("StoreMinBytes=-1"));
+        let e = start_decode(&cri_options("StoreMode = 1").write_to_bytes().unwrap());
+        assert!(e.unwrap_err().to_string().contains("StoreMode"));
+    }
+
+    /// The example drop-in's options table is one gpucr accepts.
+    #[test]
+    fn the_local_store_example_decodes() {
+        let text = include_str!("../../install/containerd/gpucr-local-store-v3.toml");
+        let config = toml::Value::Table(toml::from_str(text).unwrap());
+        let options = &config["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+            ["gpucr-local"]["options"];
+        let r = RuntimeOptions::from_toml(&toml::to_string(options).unwrap()).unwrap();
+        assert_eq!(r.store.mode, Some(crate::by_reference::Mode::Local));
+        assert!(r.store.store.is_some());
     }
 
     #[test]

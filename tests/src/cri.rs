@@ -462,6 +462,18 @@ impl Handler {
         }
     }
 
+    /// A gpucr handler whose options give it a checkpoint store of its own (a RuntimeClass
+    /// with `StoreMode` and `Store`), with a size threshold low enough for the counter's
+    /// CRIU pages.
+    pub fn gpucr_with_store(name: &str, mode: &str, store: &Path) -> Self {
+        let mut h = Self::gpucr_with_binary(name, "runc");
+        h.options.push_str(&format!(
+            ", StoreMode = {mode:?}, Store = {:?}, StoreMinBytes = 16384",
+            store.display().to_string()
+        ));
+        h
+    }
+
     /// The handler passing gpucr's annotations (`io.gpucr.*`) to the shim, as README's
     /// Kubernetes section says to set it up.
     pub fn with_gpucr_annotations(mut self) -> Self {

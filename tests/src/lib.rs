@@ -62,3 +62,17 @@ pub fn setup() -> (Containerd, String) {
 pub fn unique_id(name: &str) -> String {
     format!("{name}-{}", std::process::id())
 }
+
+/// The regular files under `dir`, at any depth (none when it does not exist).
+pub fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(files_under(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}

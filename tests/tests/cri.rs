@@ -10,12 +10,12 @@
 //! (`GPUCR_TEST_CONTAINERD2`, `GPUCR_CHECKPOINTCTL` to override). `GPUCR_CRI_ROUNDS` (default
 //! 1) repeats the flow per runtime, interleaved, and prints the medians (docs/BENCHMARKS.md).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use gpucr_tests::cri::{self, Handler};
 use gpucr_tests::cri_node::{self, archive_names, checkpointctl, CriNode};
-use gpucr_tests::{counter_args, Cmd, Daemon};
+use gpucr_tests::{counter_args, files_under, Cmd, Daemon};
 
 /// Times of one round of the flow, for one handler.
 #[derive(Debug, Default, Clone)]
@@ -295,7 +295,51 @@ fn a_checkpoint_by_reference_goes_through_kubelets_archive() {
     ];
     let mut node = CriNode::start_with_env(&[Handler::gpucr()], env);
     let (_, archive) = kubelet_flow(&mut node, "gpucr", 0);
-    let names = archive_names(&archive);
+    assert_by_reference(&archive, store.path());
+}
+
+/// A RuntimeClass's own store (issue 22): the `gpucr-local` handler's options say
+/// `StoreMode = "local"` and name its store. A pod of that class, with no annotation,
+/// checkpoints by reference into that directory, not into the node's (containerd's
+/// environment names another store, mode inline), and both restores into pods of the class
+/// take the files back from it.
+#[test]
+fn a_runtime_class_checkpoints_by_reference_into_its_own_store() {
+    let tempdir = |prefix: &str| {
+        tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir()
+            .expect("tempdir")
+    };
+    let (class_store, node_store) = (tempdir("gpucr-cri-class-"), tempdir("gpucr-cri-node-"));
+    let env = vec![
+        (
+            "GPUCR_STORE".into(),
+            node_store.path().as_os_str().to_owned(),
+        ),
+        ("GPUCR_STORE_MODE".into(), "inline".into()),
+    ];
+    let local = Handler::gpucr_with_store("gpucr-local", "local", class_store.path());
+    let mut node = CriNode::start_with_env(&[Handler::gpucr(), local], env);
+    let (_, archive) = kubelet_flow(&mut node, "gpucr-local", 0);
+    assert_by_reference(&archive, class_store.path());
+    let chunks = files_under(&class_store.path().join("chunks"));
+    assert!(
+        !chunks.is_empty(),
+        "no chunks in the class's store {}",
+        class_store.path().display()
+    );
+    let elsewhere = files_under(node_store.path());
+    assert!(
+        elsewhere.is_empty(),
+        "the node's store got files: {elsewhere:?}"
+    );
+}
+
+/// `archive` holds the reference (`gpucr-store.json`) instead of CRIU's pages, and `store`
+/// one container's checkpoints.
+fn assert_by_reference(archive: &Path, store: &Path) {
+    let names = archive_names(archive);
     assert!(
         names.iter().any(|n| n.ends_with("gpucr-store.json")),
         "no reference in the archive: {names:?}"
@@ -307,7 +351,7 @@ fn a_checkpoint_by_reference_goes_through_kubelets_archive() {
             .is_some_and(|b| b.starts_with("pages-"))),
         "CRIU's pages are in the archive: {names:?}"
     );
-    let manifests = store.path().join("manifests");
+    let manifests = store.join("manifests");
     assert_eq!(
         std::fs::read_dir(&manifests)
             .map(|d| d.count())

@@ -8,7 +8,7 @@
 use std::path::Path;
 
 use gpucr_tests::{
-    runtime_under_test,
+    counter_args, files_under, runtime_under_test,
     shim_client::{CheckpointFlags, CheckpointOutcome},
     unique_id, Containerd, GPUCR_RUNTIME,
 };
@@ -206,22 +206,57 @@ fn a_shared_checkpoint_restores_on_another_node_and_a_missing_one_is_refused() {
     let ldir = local.ctd.dir().join("ck-gone");
     let (lspec, _) = local.checkpoint_counter(&lid, &ldir);
     let chunks = local.store.path().join("chunks");
-    let victim = walk_files(&chunks).into_iter().next().expect("a chunk");
+    let victim = files_under(&chunks).into_iter().next().expect("a chunk");
     std::fs::remove_file(&victim).unwrap();
     let e = local.restore(&lid, &ldir, &lspec).unwrap_err().to_string();
     assert!(e.contains("missing") || e.contains("lacks"), "{e}");
     assert!(local.ctd.tasks().unwrap().is_empty());
 }
 
-fn walk_files(dir: &Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk_files(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
+/// A store named in the runtime's options instead of the environment: `ctr run
+/// --runtime-config-path` sends an options file (`runtimeoptions.v1.Options`), the way CRI
+/// sends a RuntimeClass's table. The checkpoint goes by reference into that store, the node's
+/// (environment, mode inline) stays empty, and the restore takes the files back from it.
+#[test]
+fn a_store_named_in_the_runtime_options_is_used() {
+    let Some(a) = node("inline", None) else {
+        return;
+    };
+    let class_store = tempfile::Builder::new()
+        .prefix("gpucr-class-store-")
+        .tempdir()
+        .unwrap();
+    let options = a.ctd.dir().join("gpucr-local.toml");
+    std::fs::write(
+        &options,
+        format!(
+            "StoreMode = \"local\"\nStore = {:?}\nStoreMinBytes = 16384\n",
+            class_store.path().display().to_string()
+        ),
+    )
+    .unwrap();
+    let id = unique_id("st-options");
+    let flags = ["--runtime-config-path", options.to_str().unwrap()];
+    a.ctd
+        .run_detached_with(&id, &a.image, &flags, &counter_args())
+        .unwrap();
+    a.ctd.wait_status(&id, "RUNNING").unwrap();
+    let before = a.ctd.wait_counter_above(&id, 8).unwrap();
+    let reference = format!("docker.io/gpucr/store-options:{id}");
+    a.ctd.container_checkpoint(&id, &reference, true).unwrap();
+    let manifests = class_store.path().join("manifests").join(&id);
+    assert_eq!(
+        std::fs::read_dir(&manifests)
+            .map(|d| d.count())
+            .unwrap_or(0),
+        1,
+        "no checkpoint in {}",
+        manifests.display()
+    );
+    let elsewhere = files_under(a.store.path());
+    assert!(elsewhere.is_empty(), "the node's store got {elsewhere:?}");
+    a.ctd.remove_container(&id).unwrap();
+    a.ctd.container_restore(&id, &reference, true).unwrap();
+    a.assert_counts_on(&id, before);
+    a.ctd.remove_container(&id).unwrap();
 }
