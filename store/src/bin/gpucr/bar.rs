@@ -12,6 +12,8 @@ impl Progress for Bar {
     fn start(&self, total: u64) {
         self.0.set_length(total);
         self.0.reset_elapsed();
+        // Drawn from here on: before its length is known the bar would show 0/0 as done.
+        self.0.set_draw_target(ProgressDrawTarget::stderr());
     }
 
     fn advance(&self, bytes: u64) {
@@ -29,7 +31,7 @@ pub fn for_terminal(what: &str) -> Box<dyn Progress> {
     if !std::io::stderr().is_terminal() {
         return Box::new(NoProgress);
     }
-    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
+    let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::hidden());
     let style = ProgressStyle::with_template(
         "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
     )
