@@ -19,7 +19,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use gpucr_store::{dir, DirRef, IngestOptions, RefMode, Remote, Store};
+use gpucr_store::{dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Store};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -105,15 +105,18 @@ pub async fn give_to_store(
     .await
     .map_err(|e| e.to_string())?
     .map_err(|e| format!("the store: {e}"))?;
+    crate::metrics::note_store(id, |b| b.written += ingested.written_bytes);
     tracing::info!(%id, manifest = %name, store = %store.root().display(),
         bytes = ingested.dir_ref.bytes(), written = ingested.written_bytes,
         chunks = ingested.chunks, elapsed_ms = started.elapsed().as_millis() as u64,
         "checkpoint by reference: its large files are in the store");
     if let Some(remote) = remote {
+        let progress = LogProgress::new(id, format!("pushing to {}", remote.label()));
         let t = remote
-            .push(&store, &name, PARALLEL)
+            .push_with(&store, &name, PARALLEL, &progress)
             .await
             .map_err(|e| format!("pushing to the shared store: {e}"))?;
+        crate::metrics::note_store(id, |b| b.pushed += t.bytes);
         tracing::info!(%id, manifest = %name, shared = %remote.label(), sent = t.bytes,
             present = t.chunks_present, elapsed_ms = started.elapsed().as_millis() as u64,
             "pushed to the shared store");
@@ -145,26 +148,28 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<()> {
                 let remote = Remote::open(at).map_err(|e| refuse(e.to_string()))?;
                 tracing::info!(%id, manifest = %r.manifest, shared = %remote.label(),
                     bytes = r.bytes(), "pulling the checkpoint's chunks from the shared store");
-                let t = remote
-                    .pull(&store, &r.manifest, PARALLEL)
-                    .await
-                    .map_err(|e| {
-                        // A local checkpoint is in its node's store only.
-                        let hint = match r.mode {
-                            RefMode::Local => format!(
-                                "; it was taken by reference to the store of node {:?} (mode \
+                let progress = LogProgress::new(id, format!("pulling from {}", remote.label()));
+                let pulled = remote
+                    .pull_with(&store, &r.manifest, PARALLEL, &progress)
+                    .await;
+                crate::metrics::note_store(id, |b| b.pulled += progress.done());
+                let t = pulled.map_err(|e| {
+                    // A local checkpoint is in its node's store only.
+                    let hint = match r.mode {
+                        RefMode::Local => format!(
+                            "; it was taken by reference to the store of node {:?} (mode \
                                  local): restore it there, or make it self-contained there \
                                  with `gpucr export DIR`",
-                                r.node
-                            ),
-                            RefMode::Shared => String::new(),
-                        };
-                        refuse(format!(
-                            "the checkpoint's data is not in this node's store {} and cannot \
-                             be pulled from the shared store: {e}{hint}",
-                            cfg.dir_label()
-                        ))
-                    })?;
+                            r.node
+                        ),
+                        RefMode::Shared => String::new(),
+                    };
+                    refuse(format!(
+                        "the checkpoint's data is not in this node's store {} and cannot \
+                         be pulled from the shared store: {e}{hint}",
+                        cfg.dir_label()
+                    ))
+                })?;
                 tracing::info!(%id, manifest = %r.manifest, fetched = t.bytes,
                     present = t.chunks_present, elapsed_ms = started.elapsed().as_millis() as u64,
                     "pulled from the shared store");

@@ -18,6 +18,7 @@ use containerd_shim_protos::{
     shim_async::Task,
     types::task::ProcessInfo,
 };
+use gpucr_store::events::Kind;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::{
@@ -26,7 +27,7 @@ use crate::{
     error::{Error, Result},
     events::{publish, timestamp, EventSender},
     io::StdioSpec,
-    metrics::{self, Op},
+    metrics,
     options::{CheckpointRequest, RuntimeOptions},
     reaper::{Exit, Spawner},
     stats,
@@ -89,9 +90,18 @@ pub struct Inner {
     exit: Arc<ExitSignal>,
     /// OOM watchers send the container id here; one task turns them into TaskOOM events.
     oom: tokio::sync::mpsc::UnboundedSender<String>,
-    /// Restores between their Create and their Start: when each began and from which image
-    /// (a restore's metrics cover both verbs).
-    restores: Mutex<HashMap<String, (Instant, PathBuf)>>,
+    /// Restores between their Create and their Start (a restore's metrics cover both verbs).
+    restores: Mutex<HashMap<String, PendingRestore>>,
+}
+
+/// A restore whose Create is done, for its metrics at Start.
+struct PendingRestore {
+    began: Instant,
+    image: PathBuf,
+    mode: &'static str,
+    /// The image's bytes and GPU bytes, taken at Create (Start may remove containerd's copy).
+    bytes: u64,
+    gpu_bytes: u64,
 }
 
 #[derive(Clone)]
@@ -204,26 +214,26 @@ async fn handle_exit(inner: Arc<Inner>, owner: Owner, exit: Exit) {
 
 impl Inner {
     /// Metrics and the event log for one checkpoint or restore (never fails the RPC).
+    /// `sizes`: the image's bytes and GPU bytes, counted for a success only.
     fn record(
         &self,
-        op: Op,
+        kind: Kind,
         id: &str,
-        image: &Path,
+        (image, mode): (&Path, &'static str),
         began: Instant,
+        sizes: (u64, u64),
         r: std::result::Result<(), &Error>,
     ) {
-        let bytes = if r.is_ok() {
-            metrics::tree_bytes(image)
-        } else {
-            0
-        };
-        metrics::record(&metrics::Event {
-            op,
+        let (bytes, gpu_bytes) = if r.is_ok() { sizes } else { (0, 0) };
+        metrics::record(&metrics::Operation {
+            kind,
             container: id,
             namespace: &self.namespace,
             image,
-            seconds: metrics::seconds(began.elapsed()),
+            mode,
+            duration: began.elapsed(),
             bytes,
+            gpu_bytes,
             error: r.err().map(|e| e.to_string()),
         });
     }
@@ -301,22 +311,35 @@ impl TaskService {
             parent_checkpoint: non_empty(&req.parent_checkpoint),
             opts,
         };
-        let restore = cfg.checkpoint.clone().map(|image| (Instant::now(), image));
+        let restore = cfg.checkpoint.clone().map(|image| {
+            metrics::begin(&req.id);
+            // Before Create puts a by-reference image's files back.
+            let mode = metrics::image_mode(&image);
+            (Instant::now(), image, mode)
+        });
         let c = match Container::create(cfg, inner.spawner.clone()).await {
             Ok(c) => Arc::new(c),
             Err(e) => {
-                if let Some((began, image)) = &restore {
-                    inner.record(Op::Restore, &req.id, image, *began, Err(&e));
+                if let Some((began, image, mode)) = &restore {
+                    let at = (image.as_path(), *mode);
+                    inner.record(Kind::Restore, &req.id, at, *began, (0, 0), Err(&e));
                 }
                 return Err(e);
             }
         };
-        if let Some(r) = restore {
+        if let Some((began, image, mode)) = restore {
+            let pending = PendingRestore {
+                bytes: metrics::image_bytes(&image),
+                gpu_bytes: metrics::gpu_bytes(&image),
+                began,
+                image,
+                mode,
+            };
             inner
                 .restores
                 .lock()
                 .expect("restores lock")
-                .insert(req.id.clone(), r);
+                .insert(req.id.clone(), pending);
         }
         let pid = c.pid();
         inner
@@ -377,12 +400,13 @@ impl TaskService {
                         .remove(&req.id)
                 })
                 .flatten();
-            if let Some((began, image)) = restore {
+            if let Some(p) = restore {
                 inner.record(
-                    Op::Restore,
+                    Kind::Restore,
                     &req.id,
-                    &image,
-                    began,
+                    (&p.image, p.mode),
+                    p.began,
+                    (p.bytes, p.gpu_bytes),
                     started.as_ref().map(|_| ()),
                 );
             }
@@ -691,12 +715,18 @@ impl TaskService {
             ));
         };
         let began = Instant::now();
+        metrics::begin(&req.id);
         let done = c.checkpoint(&image, &opts, request).await;
+        let sizes = match &done {
+            Ok(()) => (metrics::image_bytes(&image), metrics::gpu_bytes(&image)),
+            Err(_) => (0, 0),
+        };
         self.inner.record(
-            Op::Checkpoint,
+            Kind::Checkpoint,
             &req.id,
-            &image,
+            (&image, metrics::mode_label(c.store.mode)),
             began,
+            sizes,
             done.as_ref().map(|_| ()),
         );
         done?;

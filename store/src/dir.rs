@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
+use crate::progress::{NoProgress, Progress};
 use crate::store::{sync_dir, write_synced, Store};
 
 /// The reference a by-reference checkpoint directory keeps in place of its large files.
@@ -128,6 +129,17 @@ pub struct Ingested {
 /// then removes the files. On any error before the reference is durable the directory is
 /// unchanged (the chunks already written stay, unreferenced, for `gc`).
 pub fn ingest(store: &Store, dir: &Path, name: &str, opts: &IngestOptions) -> Result<Ingested> {
+    ingest_with(store, dir, name, opts, &NoProgress)
+}
+
+/// [`ingest`], telling `progress` of the large files' bytes as they are hashed and stored.
+pub fn ingest_with(
+    store: &Store,
+    dir: &Path,
+    name: &str,
+    opts: &IngestOptions,
+    progress: &dyn Progress,
+) -> Result<Ingested> {
     if dir.join(REF_FILE).exists() {
         return Err(StoreError::BadManifest {
             path: dir.join(REF_FILE),
@@ -151,9 +163,19 @@ pub fn ingest(store: &Store, dir: &Path, name: &str, opts: &IngestOptions) -> Re
     files.sort_by(|a, b| a.name.cmp(&b.name));
     let writer = store.writer()?;
     let mut chunks = Vec::with_capacity(files.iter().map(FileRef::chunks).sum());
-    for f in &files {
-        chunks.extend(put_file(&writer, &dir.join(&f.name), f, opts.threads)?);
-    }
+    progress.start(files.iter().map(|f| f.size).sum());
+    let put = files.iter().try_for_each(|f| {
+        chunks.extend(put_file(
+            &writer,
+            &dir.join(&f.name),
+            f,
+            opts.threads,
+            progress,
+        )?);
+        Ok::<_, StoreError>(())
+    });
+    progress.finish();
+    put?;
     let written_bytes = writer.written_bytes();
     // What `gpucr ls` shows beside the sizes: the mode and where the bytes are.
     let meta = serde_json::json!({
@@ -196,6 +218,7 @@ fn put_file(
     path: &Path,
     f: &FileRef,
     threads: usize,
+    progress: &dyn Progress,
 ) -> Result<Vec<ChunkRef>> {
     let file = File::open(path).map_err(io("cannot open", path))?;
     let n = f.chunks();
@@ -218,7 +241,10 @@ fn put_file(
                         .map_err(io("cannot read", path))
                         .and_then(|()| writer.put_chunk_as(Digest::of(&buf[..len]), &buf[..len]));
                     match put {
-                        Ok(p) => out.lock().unwrap()[i] = Some(p.chunk),
+                        Ok(p) => {
+                            out.lock().unwrap()[i] = Some(p.chunk);
+                            progress.advance(len as u64);
+                        }
                         Err(e) => {
                             first_err.lock().unwrap().get_or_insert(e);
                             return;
@@ -244,28 +270,54 @@ fn put_file(
 /// `Ok(None)`: it was already. Every chunk must be present (a caller pulls missing ones from
 /// a shared store first); nothing in `dir` changes when one is not.
 pub fn materialize(store: &Store, dir: &Path, threads: usize) -> Result<Option<DirRef>> {
+    materialize_with(store, dir, threads, &NoProgress)
+}
+
+/// [`materialize`], telling `progress` of the files' bytes as they are put back.
+pub fn materialize_with(
+    store: &Store,
+    dir: &Path,
+    threads: usize,
+    progress: &dyn Progress,
+) -> Result<Option<DirRef>> {
     let Some(r) = DirRef::read(dir)? else {
         return Ok(None);
     };
     let manifest = store.manifest(&r.manifest)?;
     check_matches(&r, &manifest, &dir.join(REF_FILE))?;
     store.require_chunks(&manifest)?;
+    progress.start(r.bytes());
+    let filled = fill_files(store, dir, &r, &manifest, threads, progress);
+    progress.finish();
+    filled?;
+    let path = dir.join(REF_FILE);
+    fs::remove_file(&path).map_err(io("cannot remove", &path))?;
+    Ok(Some(r))
+}
+
+/// Every file of `r` back under its name, each written under a temporary name first.
+fn fill_files(
+    store: &Store,
+    dir: &Path,
+    r: &DirRef,
+    manifest: &Manifest,
+    threads: usize,
+    progress: &dyn Progress,
+) -> Result<()> {
     let mut at = 0;
     for f in &r.files {
         let chunks = &manifest.chunks[at..at + f.chunks()];
         at += f.chunks();
         let target = dir.join(&f.name);
         let tmp = dir.join(format!(".{}.gpucr-tmp", f.name));
-        let res = fill_file(store, &tmp, f.size, chunks, threads);
+        let res = fill_file(store, &tmp, f.size, chunks, threads, progress);
         if let Err(e) = res {
             let _ = fs::remove_file(&tmp);
             return Err(e);
         }
         fs::rename(&tmp, &target).map_err(io("cannot rename into place", &target))?;
     }
-    let path = dir.join(REF_FILE);
-    fs::remove_file(&path).map_err(io("cannot remove", &path))?;
-    Ok(Some(r))
+    Ok(())
 }
 
 /// The manifest lists exactly the reference's files, slice by slice.
@@ -304,6 +356,7 @@ fn fill_file(
     size: u64,
     chunks: &[ChunkRef],
     threads: usize,
+    progress: &dyn Progress,
 ) -> Result<()> {
     let out = File::create(path).map_err(io("cannot create", path))?;
     out.set_len(size).map_err(io("cannot size", path))?;
@@ -321,6 +374,7 @@ fn fill_file(
                     first_err.lock().unwrap().get_or_insert(e);
                     return;
                 }
+                progress.advance(chunks[i].len);
             });
         }
     });
@@ -393,15 +447,23 @@ mod tests {
         std::fs::write(dir.path().join("pages-1.img"), &big).unwrap();
         std::fs::write(dir.path().join("gpu-hook.7.data-000.bin"), &other).unwrap();
         std::fs::write(dir.path().join("inventory.img"), b"small").unwrap();
-        let got = ingest(&store, dir.path(), "c1/1", &opts()).unwrap();
+        let progress = crate::progress::Counting::default();
+        let got = ingest_with(&store, dir.path(), "c1/1", &opts(), &progress).unwrap();
+        let logical = (big.len() + other.len()) as u64;
+        assert_eq!(progress.total.into_inner(), logical);
+        assert_eq!(progress.done.into_inner(), logical);
         assert_eq!(got.dir_ref.files.len(), 2);
         assert_eq!(got.chunks, 3 + 1);
         assert!(!dir.path().join("pages-1.img").exists());
         assert!(dir.path().join("inventory.img").exists());
         assert_eq!(DirRef::read(dir.path()).unwrap().unwrap(), got.dir_ref);
 
-        let r = materialize(&store, dir.path(), 2).unwrap().unwrap();
-        assert_eq!(r.bytes(), (big.len() + other.len()) as u64);
+        let progress = crate::progress::Counting::default();
+        let r = materialize_with(&store, dir.path(), 2, &progress)
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.bytes(), logical);
+        assert_eq!(progress.done.into_inner(), logical);
         assert_eq!(std::fs::read(dir.path().join("pages-1.img")).unwrap(), big);
         assert_eq!(
             std::fs::read(dir.path().join("gpu-hook.7.data-000.bin")).unwrap(),

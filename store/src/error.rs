@@ -65,7 +65,8 @@ pub enum StoreError {
 
 pub type Result<T> = std::result::Result<T, StoreError>;
 
-pub(crate) fn io(
+/// Maps an I/O error to [`StoreError::Io`] naming `what` failed on `path`.
+pub fn io(
     what: &'static str,
     path: impl Into<PathBuf>,
 ) -> impl FnOnce(std::io::Error) -> StoreError {

@@ -17,12 +17,18 @@
 //!   still name, for `gc` to keep ([`references`]).
 //! - [`dir::ingest`] and [`dir::materialize`]: a checkpoint directory by reference, its large
 //!   files in the store and a small [`DirRef`] in their place ([`dir`]).
+//! - [`Progress`]: how a long transfer goes, for the shim's log and the CLI's bar
+//!   ([`progress`]).
+//! - [`events`]: the node's log of checkpoints and restores, which every shim appends to and
+//!   `gpucr events` reads (here so that both use one format).
 
 pub mod digest;
 pub mod dir;
 pub mod error;
+pub mod events;
 pub mod gc;
 pub mod manifest;
+pub mod progress;
 pub mod references;
 pub mod remote;
 pub mod store;
@@ -35,6 +41,7 @@ pub use dir::{DirRef, IngestOptions, Ingested, RefMode};
 pub use error::{Result, StoreError};
 pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};
+pub use progress::{LogProgress, NoProgress, Progress};
 pub use remote::{Remote, Transfer};
 pub use store::Store;
 pub use usage::{ManifestUsage, Usage};

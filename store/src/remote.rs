@@ -12,6 +12,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use crate::digest::Digest;
 use crate::error::{Result, StoreError};
 use crate::manifest::{check_name, ChunkRef, Manifest};
+use crate::progress::{NoProgress, Progress};
 use crate::store::{publish, write_synced, Store};
 
 /// Chunks in flight at once when none is given.
@@ -89,10 +90,39 @@ impl Remote {
     /// Copies manifest `name` and every chunk it needs from `local` to the shared store,
     /// `parallel` chunks at a time; chunks the shared store has are skipped.
     pub async fn push(&self, local: &Store, name: &str, parallel: usize) -> Result<Transfer> {
+        self.push_with(local, name, parallel, &NoProgress).await
+    }
+
+    /// [`Self::push`], telling `progress` of every chunk (those already there included).
+    pub async fn push_with(
+        &self,
+        local: &Store,
+        name: &str,
+        parallel: usize,
+        progress: &dyn Progress,
+    ) -> Result<Transfer> {
         let manifest = local.manifest(name)?;
         local.require_chunks(&manifest)?;
         let mut unique = unique(&manifest);
         unique.sort_by_key(|c| std::cmp::Reverse(c.len));
+        progress.start(unique.iter().map(|c| c.len).sum());
+        let t = self.push_chunks(local, unique, parallel, progress).await;
+        progress.finish();
+        let t = t?;
+        let path = local.manifest_path(name)?;
+        let body = std::fs::read(&path).map_err(crate::error::io("cannot read manifest", &path))?;
+        self.put_new(&manifest_object(name), body).await?;
+        tracing::info!(manifest = name, shared = %self.label, chunks = t.chunks, bytes = t.bytes, "pushed");
+        Ok(t)
+    }
+
+    async fn push_chunks(
+        &self,
+        local: &Store,
+        unique: Vec<ChunkRef>,
+        parallel: usize,
+        progress: &dyn Progress,
+    ) -> Result<Transfer> {
         let mut t = Transfer::default();
         let mut puts = futures::stream::iter(unique)
             .map(|c| async move {
@@ -108,11 +138,8 @@ impl Remote {
             } else {
                 t.chunks_present += 1;
             }
+            progress.advance(c.len);
         }
-        let path = local.manifest_path(name)?;
-        let body = std::fs::read(&path).map_err(crate::error::io("cannot read manifest", &path))?;
-        self.put_new(&manifest_object(name), body).await?;
-        tracing::info!(manifest = name, shared = %self.label, chunks = t.chunks, bytes = t.bytes, "pushed");
         Ok(t)
     }
 
@@ -120,6 +147,17 @@ impl Remote {
     /// lacks, `parallel` at a time, each checked against its digest before it is stored.
     /// The manifest is published locally last, so a failed pull leaves no usable half.
     pub async fn pull(&self, local: &Store, name: &str, parallel: usize) -> Result<Transfer> {
+        self.pull_with(local, name, parallel, &NoProgress).await
+    }
+
+    /// [`Self::pull`], telling `progress` of the missing chunks' bytes as they arrive.
+    pub async fn pull_with(
+        &self,
+        local: &Store,
+        name: &str,
+        parallel: usize,
+        progress: &dyn Progress,
+    ) -> Result<Transfer> {
         check_name(name)?;
         let location = manifest_object(name);
         let body = self.get(&location).await.map_err(|e| match e {
@@ -137,7 +175,31 @@ impl Remote {
         let mut t = Transfer::default();
         let missing = local.missing_chunks(&manifest);
         t.chunks_present = unique(&manifest).len() as u64 - missing.len() as u64;
-        let total: u64 = missing.iter().map(|c| c.len).sum();
+        progress.start(missing.iter().map(|c| c.len).sum());
+        let fetched = self
+            .fetch_chunks(local, missing, parallel, progress, &mut t)
+            .await;
+        progress.finish();
+        fetched?;
+        local.require_chunks(&manifest)?;
+        let target = local.manifest_path(name)?;
+        if !target.exists() {
+            let tmp = local.tmp_path();
+            write_synced(&tmp, &body)?;
+            publish(&tmp, &target)?;
+        }
+        Ok(t)
+    }
+
+    /// Gets `missing` chunks, checks each against its digest and puts it in `local`.
+    async fn fetch_chunks(
+        &self,
+        local: &Store,
+        missing: Vec<ChunkRef>,
+        parallel: usize,
+        progress: &dyn Progress,
+        t: &mut Transfer,
+    ) -> Result<()> {
         let writer = local.writer()?;
         let mut gets = futures::stream::iter(missing)
             .map(|c| async move {
@@ -157,17 +219,9 @@ impl Remote {
             writer.put_chunk_as(c.digest, &bytes)?;
             t.chunks += 1;
             t.bytes += c.len;
-            tracing::info!(manifest = name, shared = %self.label, done = t.bytes, total, "pulling");
+            progress.advance(c.len);
         }
-        drop(writer);
-        local.require_chunks(&manifest)?;
-        let target = local.manifest_path(name)?;
-        if !target.exists() {
-            let tmp = local.tmp_path();
-            write_synced(&tmp, &body)?;
-            publish(&tmp, &target)?;
-        }
-        Ok(t)
+        Ok(())
     }
 
     /// Writes an object unless it exists. Objects are immutable and chunks content-addressed,
@@ -284,11 +338,18 @@ mod tests {
         let w = node_b.writer().unwrap();
         w.put_chunk(b"layer0").unwrap();
         drop(w);
-        let pulled = rt.block_on(remote.pull(&node_b, "ctr/1", 4)).unwrap();
+        let progress = crate::progress::Counting::default();
+        let pulled = rt
+            .block_on(remote.pull_with(&node_b, "ctr/1", 4, &progress))
+            .unwrap();
         assert_eq!(
             (pulled.chunks, pulled.bytes, pulled.chunks_present),
             (1, 6, 1)
         );
+        // Only what crossed is the pull's work.
+        assert_eq!(progress.total.into_inner(), 6);
+        assert_eq!(progress.done.into_inner(), 6);
+        assert!(progress.finished.into_inner());
         assert_eq!(node_b.manifest("ctr/1").unwrap(), m);
         node_b.require_chunks(&m).unwrap();
     }

@@ -211,21 +211,26 @@ impl Store {
 
     /// Writers hold it shared from their first chunk to their manifest; gc holds it exclusive.
     pub(crate) fn lock(&self, arg: FlockArg) -> Result<Flock<File>> {
-        let path = self.root.join(LOCK);
-        let file = fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(io("cannot open the store lock", &path))?;
-        Flock::lock(file, arg).map_err(|(_, errno)| {
-            io("cannot lock the store", &path)(std::io::Error::from_raw_os_error(errno as i32))
-        })
+        lock_file(&self.root.join(LOCK), arg)
     }
 
     pub(crate) fn tmp_path(&self) -> PathBuf {
         self.root.join(TMP).join(unique_name())
     }
+}
+
+/// An flock of the file at `path` (created if absent), held until the value is dropped; for
+/// the store, the event log and the shims' metrics textfile.
+pub fn lock_file(path: &Path, arg: FlockArg) -> Result<Flock<File>> {
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io("cannot open the lock file", path))?;
+    Flock::lock(file, arg).map_err(|(_, errno)| {
+        io("cannot lock", path)(std::io::Error::from_raw_os_error(errno as i32))
+    })
 }
 
 /// Writes `bytes` to a new file at `path` and fsyncs it.

@@ -2,12 +2,15 @@
 
 use std::process::Command;
 
+use gpucr_store::events::{self, Event, Kind, Outcome};
 use gpucr_store::Store;
 
 fn gpucr(store: &std::path::Path, args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_gpucr"))
         .arg("--store")
         .arg(store)
+        // Not the node's log: none unless a test names one.
+        .env(events::EVENT_LOG_ENV, store.join("no-events.jsonl"))
         .args(args)
         .output()
         .unwrap();
@@ -121,4 +124,97 @@ fn import_then_export_round_trips_a_checkpoint_directory() {
     assert_eq!(rc, 2, "{out}");
     assert!(out.contains("missing"), "{out}");
     assert!(ckpt.path().join("gpucr-store.json").exists());
+}
+
+fn event(container: &str, kind: Kind, ms: u64, error: Option<&str>) -> Event {
+    let (time, time_unix_ms) = events::timestamp(std::time::SystemTime::now());
+    Event {
+        time,
+        time_unix_ms,
+        container: container.into(),
+        namespace: "k8s.io".into(),
+        kind,
+        result: if error.is_some() {
+            Outcome::Error
+        } else {
+            Outcome::Ok
+        },
+        mode: "shared".into(),
+        duration_ms: ms,
+        bytes: 3 << 30,
+        store_written_bytes: 0,
+        store_pushed_bytes: 0,
+        store_pulled_bytes: if kind == Kind::Restore { 1 << 30 } else { 0 },
+        gpu_bytes: 2 << 30,
+        image: "/ckpt".into(),
+        error: error.map(str::to_string),
+    }
+}
+
+#[test]
+fn events_and_report_show_the_nodes_checkpoints_and_restores() {
+    let (store_dir, logs) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let log = logs.path().join("events.jsonl");
+    events::append(&log, &event("llm-0", Kind::Checkpoint, 4000, None)).unwrap();
+    events::append(&log, &event("llm-0", Kind::Restore, 2000, None)).unwrap();
+    let refused = "restore of llm-1 refused: the checkpoint's data is not in this node's store";
+    events::append(&log, &event("llm-1", Kind::Restore, 30, Some(refused))).unwrap();
+    let log_arg = log.to_str().unwrap();
+
+    let (rc, out) = gpucr(store_dir.path(), &["--event-log", log_arg, "events"]);
+    assert_eq!(rc, 0, "{out}");
+    let lines: Vec<_> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("TIME") && lines[0].contains("CONTAINER"),
+        "{out}"
+    );
+    assert_eq!(lines.len(), 4, "{out}");
+    assert!(
+        lines[1].contains("checkpoint") && lines[1].contains("ok") && lines[1].contains("4.00s"),
+        "{out}"
+    );
+    assert!(
+        lines[1].contains("3.0 GiB") && lines[1].contains("2.0 GiB"),
+        "{out}"
+    );
+    assert!(
+        lines[3].contains("error") && lines[3].contains(refused),
+        "{out}"
+    );
+
+    let (rc, out) = gpucr(
+        store_dir.path(),
+        &["--event-log", log_arg, "events", "--last", "1", "--json"],
+    );
+    assert_eq!(rc, 0, "{out}");
+    let last: Event = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        (last.container.as_str(), last.result),
+        ("llm-1", Outcome::Error)
+    );
+
+    let (rc, out) = gpucr(store_dir.path(), &["--event-log", log_arg, "report"]);
+    assert_eq!(rc, 0, "{out}");
+    assert!(out.contains("events:      3"), "{out}");
+    assert!(
+        out.contains("checkpoints: 1 ok, 0 failed, mean 4.00s"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  restores:    1 ok, 1 failed, mean 2.00s")
+            && out.contains("2.0 GiB pulled from the shared store"),
+        "{out}"
+    );
+    assert!(
+        out.contains("  last error:") && out.contains("llm-1"),
+        "{out}"
+    );
+
+    // No log yet: an empty table, not an error.
+    let none = logs.path().join("none.jsonl");
+    let (rc, out) = gpucr(
+        store_dir.path(),
+        &["--event-log", none.to_str().unwrap(), "events"],
+    );
+    assert_eq!((rc, out.lines().count()), (0, 1), "{out}");
 }

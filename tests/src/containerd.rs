@@ -321,6 +321,10 @@ impl Containerd {
             .env("PATH", &l.path)
             .env("TMPDIR", &l.tmp)
             .env_remove("XDG_RUNTIME_DIR")
+            // The shims' metrics and event log stay in the daemon's directory (a test's own
+            // environment overrides them).
+            .env("GPUCR_METRICS_TEXTFILE", self.metrics_textfile())
+            .env("GPUCR_EVENT_LOG", self.event_log())
             .envs(l.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log)
@@ -330,6 +334,16 @@ impl Containerd {
                 command: self.daemon.containerd.display().to_string(),
                 source,
             })
+    }
+
+    /// The node-exporter textfile this daemon's shims write (`GPUCR_METRICS_TEXTFILE`).
+    pub fn metrics_textfile(&self) -> PathBuf {
+        self.root.join("metrics/gpucr.prom")
+    }
+
+    /// The event log this daemon's shims append to (`GPUCR_EVENT_LOG`).
+    pub fn event_log(&self) -> PathBuf {
+        self.root.join("events.jsonl")
     }
 
     /// Stops the daemon (SIGTERM: its shims and their containers live on) and starts it

@@ -98,6 +98,29 @@ impl Node {
         self.ctd.restore_from_image_path(id, dir, &self.image, spec)
     }
 
+    /// A series of the node's metrics textfile (the harness puts it in the daemon's
+    /// directory).
+    fn metric(&self, series: &str) -> f64 {
+        let path = self.ctd.metrics_textfile();
+        let prom =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        prom.lines()
+            .find_map(|l| {
+                let (s, v) = l.rsplit_once(' ')?;
+                (s == series).then(|| v.parse().ok()).flatten()
+            })
+            .unwrap_or_else(|| panic!("{series} not in\n{prom}"))
+    }
+
+    /// The node's event log, oldest first.
+    fn events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.ctd.event_log())
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
     fn assert_counts_on(&self, id: &str, from: u64) {
         self.ctd.wait_status(id, "RUNNING").unwrap();
         let first = self.ctd.wait_counter_above(id, 0).unwrap();
@@ -140,6 +163,31 @@ fn a_local_checkpoint_is_by_reference_and_restores() {
     assert_eq!(a.manifests_of(&id), 1);
     a.restore(&id, &dir, &spec).expect("restore by reference");
     a.assert_counts_on(&id, before);
+    // Counted in the node's metrics and event log, with the bytes the store took.
+    assert_eq!(
+        a.metric("gpucr_checkpoints_total{mode=\"local\",result=\"ok\"}"),
+        1.0
+    );
+    assert_eq!(
+        a.metric("gpucr_restores_total{mode=\"local\",result=\"ok\"}"),
+        1.0
+    );
+    assert!(a.metric("gpucr_store_written_bytes_total") >= 16384.0);
+    let events = a.events();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(
+        (&events[0]["kind"], &events[0]["mode"]),
+        (&"checkpoint".into(), &"local".into())
+    );
+    assert!(events[0]["store_written_bytes"].as_u64().unwrap() >= 16384);
+    // The checkpoint's bytes are the image's, the ones in the store included.
+    assert!(
+        events[0]["bytes"].as_u64() >= events[0]["store_written_bytes"].as_u64(),
+        "{}",
+        events[0]
+    );
+    assert_eq!(events[1]["kind"], "restore");
+    assert_eq!(events[1]["result"], "ok");
     // Through containerd's content store too: checkpoint the restored task, restore that.
     let reference = format!("docker.io/gpucr/store-ref:{id}");
     a.ctd.container_checkpoint(&id, &reference, true).unwrap();
@@ -187,6 +235,20 @@ fn a_shared_checkpoint_restores_on_another_node_and_a_missing_one_is_refused() {
         "a refused restore made a task"
     );
     assert_eq!(c.manifests_of(&id), 0);
+    assert_eq!(
+        c.metric("gpucr_restores_total{mode=\"shared\",result=\"error\"}"),
+        1.0
+    );
+    let refused = c.events();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0]["error"]
+            .as_str()
+            .is_some_and(|m| m.contains("GPUCR_STORE_SHARED")),
+        "{}",
+        refused[0]
+    );
+    assert!(a.metric("gpucr_store_pushed_bytes_total") >= 16384.0);
 
     // Another node pulls the chunks it lacks from the shared store.
     assert_eq!(b.manifests_of(&id), 0);
@@ -197,6 +259,21 @@ fn a_shared_checkpoint_restores_on_another_node_and_a_missing_one_is_refused() {
         b.manifests_of(&id),
         1,
         "pulled into the second node's store"
+    );
+    let pulled = b.metric("gpucr_store_pulled_bytes_total");
+    assert!(pulled >= 16384.0, "{pulled}");
+    let restored = b.events();
+    assert_eq!(restored[0]["mode"], "shared");
+    assert_eq!(
+        restored[0]["store_pulled_bytes"].as_u64(),
+        Some(pulled as u64)
+    );
+    // The shim logged the pull's progress with the container's id.
+    let log = b.ctd.log_tail(usize::MAX);
+    assert!(
+        log.lines()
+            .any(|l| l.contains("pulling from") && l.contains(id.as_str())),
+        "no progress of the pull in containerd's log"
     );
     b.ctd.remove_container(&id).unwrap();
 

@@ -1,12 +1,16 @@
 //! `gpucr`: the operator's view of a node's gpucr store — what checkpoints it holds and what
 //! they cost, checking every chunk, retention, and moving checkpoints to and from a shared
-//! store.
+//! store; the node's log of checkpoints and restores.
+
+mod bar;
+mod events;
 
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use gpucr_store::events::{DEFAULT_EVENT_LOG, EVENT_LOG_ENV};
 use gpucr_store::references::{referenced_manifests, DEFAULT_PLACES};
 use gpucr_store::remote::DEFAULT_PARALLEL;
 use gpucr_store::{dir, DirRef, IngestOptions, RefMode, Remote, Retention, Store, StoreError};
@@ -21,6 +25,9 @@ struct Cli {
     /// The node's store.
     #[arg(long, env = "GPUCR_STORE", default_value = "/var/lib/gpucr/store")]
     store: PathBuf,
+    /// The node's event log, which the shims append to.
+    #[arg(long, env = EVENT_LOG_ENV, default_value = DEFAULT_EVENT_LOG)]
+    event_log: PathBuf,
     #[command(subcommand)]
     command: Command,
 }
@@ -67,8 +74,18 @@ enum Command {
         #[arg(long, default_value_t = DEFAULT_PARALLEL)]
         parallel: usize,
     },
-    /// The store's totals: checkpoints, chunks, bytes held, bytes without sharing.
+    /// The store's totals (checkpoints, chunks, bytes held, bytes without sharing) and the
+    /// event log's (checkpoints and restores, failed ones, mean durations).
     Report,
+    /// The node's checkpoints and restores from the event log, oldest first.
+    Events {
+        /// Only the newest N.
+        #[arg(long)]
+        last: Option<usize>,
+        /// The log's JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Makes a by-reference checkpoint directory self-contained (its files back from the
     /// store, pulled first from a shared store with --from): for copying it elsewhere, a
     /// kubelet archive or `ctr image push`.
@@ -117,6 +134,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode, StoreError> {
+    // The log needs no store on the node.
+    if let Command::Events { last, json } = cli.command {
+        events::print(&cli.event_log, last, json)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let store = Store::open(&cli.store)?;
     match cli.command {
         Command::Ls => {
@@ -200,7 +222,8 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
         }
         Command::Push { name, to, parallel } => {
             let remote = Remote::open(&to)?;
-            let t = runtime().block_on(remote.push(&store, &name, parallel))?;
+            let bar = bar::for_terminal(&format!("pushing {name}"));
+            let t = runtime().block_on(remote.push_with(&store, &name, parallel, bar.as_ref()))?;
             println!(
                 "pushed {name} to {}: {} sent, {} chunks already there",
                 remote.label(),
@@ -214,7 +237,8 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
             parallel,
         } => {
             let remote = Remote::open(&from)?;
-            let t = runtime().block_on(remote.pull(&store, &name, parallel))?;
+            let bar = bar::for_terminal(&format!("pulling {name}"));
+            let t = runtime().block_on(remote.pull_with(&store, &name, parallel, bar.as_ref()))?;
             println!(
                 "pulled {name} from {}: {} fetched, {} chunks already here",
                 remote.label(),
@@ -238,6 +262,10 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                     u.logical_bytes as f64 / u.chunk_bytes as f64
                 );
             }
+            match events::summary(&cli.event_log) {
+                Ok(lines) => lines.iter().for_each(|l| println!("{l}")),
+                Err(e) => eprintln!("gpucr: {e}"),
+            }
         }
         Command::Export { dir, from, threads } => {
             let Some(r) = DirRef::read(&dir)? else {
@@ -246,10 +274,17 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
             };
             if let Some(from) = from {
                 let remote = Remote::open(&from)?;
-                let t = runtime().block_on(remote.pull(&store, &r.manifest, DEFAULT_PARALLEL))?;
+                let bar = bar::for_terminal(&format!("pulling {}", r.manifest));
+                let t = runtime().block_on(remote.pull_with(
+                    &store,
+                    &r.manifest,
+                    DEFAULT_PARALLEL,
+                    bar.as_ref(),
+                ))?;
                 println!("pulled {}: {} fetched", r.manifest, bytes(t.bytes));
             }
-            dir::materialize(&store, &dir, threads)?;
+            let bar = bar::for_terminal(&format!("exporting {}", dir.display()));
+            dir::materialize_with(&store, &dir, threads, bar.as_ref())?;
             println!(
                 "exported {}: {} files, {} back in the directory",
                 dir.display(),
@@ -257,6 +292,7 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 bytes(r.bytes())
             );
         }
+        Command::Events { .. } => unreachable!("answered before the store is opened"),
         Command::Import {
             dir,
             name,
@@ -269,7 +305,8 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 shared: None,
                 threads,
             };
-            let got = dir::ingest(&store, &dir, &name, &opts)?;
+            let bar = bar::for_terminal(&format!("importing {}", dir.display()));
+            let got = dir::ingest_with(&store, &dir, &name, &opts, bar.as_ref())?;
             println!(
                 "imported {} as {name}: {} files, {} ({} new in the store)",
                 dir.display(),
@@ -289,7 +326,7 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a tokio runtime")
 }
 
-fn bytes(n: u64) -> String {
+pub(crate) fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
     let mut unit = 0;
