@@ -97,9 +97,10 @@ pub async fn give_to_store(
         threads: threads(),
     };
     let store_at = cfg.dir.clone();
+    let progress = LogProgress::new(id, format!("into the store {}", cfg.dir.display()));
     let (store, ingested) = crate::gpu::blocking("store", move || {
         let store = Store::open(&store_at)?;
-        let ingested = dir::ingest(&store, &at, &name2, &opts)?;
+        let ingested = dir::ingest_with(&store, &at, &name2, &opts, &progress)?;
         Ok::<_, gpucr_store::StoreError>((store, ingested))
     })
     .await
@@ -196,9 +197,12 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<()> {
         }
     }
     let at = image.to_path_buf();
-    crate::gpu::blocking("store", move || dir::materialize(&store, &at, threads()))
-        .await?
-        .map_err(|e| refuse(format!("the checkpoint's data: {e}")))?;
+    let progress = LogProgress::new(id, format!("back from the store {}", cfg.dir.display()));
+    crate::gpu::blocking("store", move || {
+        dir::materialize_with(&store, &at, threads(), &progress)
+    })
+    .await?
+    .map_err(|e| refuse(format!("the checkpoint's data: {e}")))?;
     tracing::info!(%id, manifest = %r.manifest, bytes = r.bytes(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "the checkpoint's files are back from the store");

@@ -192,6 +192,26 @@ fn events_and_report_show_the_nodes_checkpoints_and_restores() {
         (last.container.as_str(), last.result),
         ("llm-1", Outcome::Error)
     );
+    // One container's newest: llm-0's restore, not llm-1's later one.
+    let (rc, out) = gpucr(
+        store_dir.path(),
+        &[
+            "--event-log",
+            log_arg,
+            "events",
+            "--container",
+            "llm-0",
+            "--last",
+            "1",
+            "--json",
+        ],
+    );
+    assert_eq!(rc, 0, "{out}");
+    let last: Event = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        (last.container.as_str(), last.kind),
+        ("llm-0", Kind::Restore)
+    );
 
     let (rc, out) = gpucr(store_dir.path(), &["--event-log", log_arg, "report"]);
     assert_eq!(rc, 0, "{out}");

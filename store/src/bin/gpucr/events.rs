@@ -9,8 +9,19 @@ use gpucr_store::StoreError;
 
 use super::bytes;
 
-pub fn print(log: &Path, last: Option<usize>, json: bool) -> Result<(), StoreError> {
-    let (events, skipped) = read_last(log, last)?;
+pub fn print(
+    log: &Path,
+    last: Option<usize>,
+    container: Option<&str>,
+    json: bool,
+) -> Result<(), StoreError> {
+    // With a container, its newest N: the whole log is read and filtered first.
+    let (mut events, skipped) = read_last(log, last.filter(|_| container.is_none()))?;
+    if let Some(id) = container {
+        events.retain(|e| e.container == id);
+        let keep = last.unwrap_or(events.len()).min(events.len());
+        events.drain(..events.len() - keep);
+    }
     if json {
         for e in &events {
             println!("{}", serde_json::to_string(e).expect("an event serialises"));

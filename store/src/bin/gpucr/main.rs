@@ -82,6 +82,9 @@ enum Command {
         /// Only the newest N.
         #[arg(long)]
         last: Option<usize>,
+        /// Only this container's.
+        #[arg(long)]
+        container: Option<String>,
         /// The log's JSON lines instead of a table.
         #[arg(long)]
         json: bool,
@@ -135,8 +138,13 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<ExitCode, StoreError> {
     // The log needs no store on the node.
-    if let Command::Events { last, json } = cli.command {
-        events::print(&cli.event_log, last, json)?;
+    if let Command::Events {
+        last,
+        container,
+        json,
+    } = cli.command
+    {
+        events::print(&cli.event_log, last, container.as_deref(), json)?;
         return Ok(ExitCode::SUCCESS);
     }
     let store = Store::open(&cli.store)?;
