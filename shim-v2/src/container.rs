@@ -311,6 +311,13 @@ impl Container {
             tracing::info!(id = %cfg.id, mode = ?store.mode, mode_from = %store.mode_from,
                 store = %store.dir_label(), shared = ?store.shared(), "the checkpoint store");
         }
+        if store.mode == crate::by_reference::Mode::Shared && store.shared().is_none() {
+            // Said now, not only when the first checkpoint fails on it.
+            tracing::warn!(id = %cfg.id, mode_from = %store.mode_from,
+                "store mode shared, and no shared store: this container's checkpoints will \
+                 fail until StoreShared (runtime options) or GPUCR_STORE_SHARED (containerd's \
+                 environment) names one");
+        }
         let mut gpu_pairs = Vec::new();
         let mut records = Records::default();
         let mut helpers = HelperChoice::NotWanted;
