@@ -281,6 +281,16 @@ impl Containerd {
         Ok(CheckpointOutcome::Dir(dir))
     }
 
+    /// [`Containerd::checkpoint_with_flags`] into the image directory `dir`, leaving the task
+    /// running (containerd 2.x's ctr also keeps the image in its content store).
+    pub fn checkpoint_into(&self, id: &str, dir: &std::path::Path) -> Result<CheckpointOutcome> {
+        let flags = CheckpointFlags {
+            image_path: Some(dir),
+            ..Default::default()
+        };
+        self.checkpoint_with_flags(id, &flags)
+    }
+
     /// The shim's Checkpoint RPC into directory `dir` with `flags`, straight over ttrpc:
     /// unlike containerd's client (ctr, CRI), nothing pauses the task first.
     pub fn shim_checkpoint(

@@ -6,11 +6,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use gpucr_tests::{
-    containerd::runtime_under_test,
-    shim_client::{CheckpointFlags, CheckpointOutcome},
-    unique_id, Containerd,
-};
+use gpucr_tests::{containerd::runtime_under_test, unique_id, Containerd};
 
 /// The value of `series` (the whole series, labels included) in the textfile.
 fn prom_value(prom: &str, series: &str) -> f64 {
@@ -78,18 +74,7 @@ fn checkpoint_and_restore_are_counted_and_logged() {
     // A damaged image: its restore fails at Create and is counted as an error.
     let spec = ctd.container_spec(&id).unwrap();
     let image_path = ctd.dir().join("ck-damaged");
-    let flags = CheckpointFlags {
-        image_path: Some(&image_path),
-        ..Default::default()
-    };
-    let out = ctd.checkpoint_with_flags(&id, &flags).unwrap();
-    assert!(
-        matches!(
-            out,
-            CheckpointOutcome::Dir(_) | CheckpointOutcome::Stored(_)
-        ),
-        "{out:?}"
-    );
+    ctd.checkpoint_into(&id, &image_path).unwrap();
     ctd.remove_container(&id).unwrap();
     let pages = std::fs::read_dir(&image_path)
         .unwrap()

@@ -8,9 +8,7 @@
 use std::path::Path;
 
 use gpucr_tests::{
-    counter_args, files_under, runtime_under_test,
-    shim_client::{CheckpointFlags, CheckpointOutcome},
-    unique_id, Containerd, GPUCR_RUNTIME,
+    counter_args, files_under, runtime_under_test, unique_id, Containerd, GPUCR_RUNTIME,
 };
 
 const REF_FILE: &str = "gpucr-store.json";
@@ -54,18 +52,7 @@ impl Node {
         self.ctd.run_counter(id, &self.image).unwrap();
         let before = self.ctd.wait_counter_above(id, 8).unwrap();
         let spec = self.ctd.container_spec(id).unwrap();
-        let flags = CheckpointFlags {
-            image_path: Some(dir),
-            ..Default::default()
-        };
-        let out = self.ctd.checkpoint_with_flags(id, &flags).unwrap();
-        assert!(
-            matches!(
-                out,
-                CheckpointOutcome::Dir(_) | CheckpointOutcome::Stored(_)
-            ),
-            "{out:?}"
-        );
+        self.ctd.checkpoint_into(id, dir).unwrap();
         self.ctd.remove_container(id).unwrap();
         (spec, before)
     }

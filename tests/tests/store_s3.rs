@@ -8,7 +8,6 @@ use std::path::Path;
 
 use gpucr_tests::netns::NetNs;
 use gpucr_tests::s3::S3Server;
-use gpucr_tests::shim_client::{CheckpointFlags, CheckpointOutcome};
 use gpucr_tests::{runtime_under_test, unique_id, Containerd, StartOptions, GPUCR_RUNTIME};
 
 const BUCKET: &str = "gpucr";
@@ -73,23 +72,7 @@ fn a_checkpoint_in_s3_restores_on_a_node_in_another_network() {
     let before = a.wait_counter_above(&id, 8).unwrap();
     let spec = a.container_spec(&id).unwrap();
     let dir = a.dir().join("ck-s3");
-    let out = a
-        .checkpoint_with_flags(
-            &id,
-            &CheckpointFlags {
-                image_path: Some(&dir),
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    // containerd 2.x's ctr also stores the checkpoint in the content store.
-    assert!(
-        matches!(
-            out,
-            CheckpointOutcome::Dir(_) | CheckpointOutcome::Stored(_)
-        ),
-        "{out:?}"
-    );
+    a.checkpoint_into(&id, &dir).unwrap();
     a.remove_container(&id).unwrap();
     assert!(
         dir.join("gpucr-store.json").is_file(),
