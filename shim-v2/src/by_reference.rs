@@ -19,7 +19,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use gpucr_store::{dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Store};
+use gpucr_store::{dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Stage, Store};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -51,6 +51,34 @@ pub enum Mode {
 
 fn threads() -> usize {
     std::thread::available_parallelism().map_or(4, |n| n.get())
+}
+
+/// For a checkpoint by reference of a container with the hook: a stage in the store, linked
+/// as the image's `gpu-hook` directory, so the hook writes its GPU state onto the store's
+/// filesystem and the store takes it in place (no second write). Keep it until
+/// [`give_to_store`] is done; dropped, it removes what was not taken. `None` (inline, or the
+/// store cannot be opened: the copy into the store still works) leaves the image as it is.
+pub fn stage_for_hook(id: &str, image: &Path, cfg: &StoreConfig) -> Option<Stage> {
+    if cfg.mode == Mode::Inline {
+        return None;
+    }
+    let link = image.join(crate::gpu::hook::IMAGE_DIR);
+    let staged = Store::open(&cfg.dir)
+        .and_then(|store| store.stage())
+        .map_err(|e| e.to_string())
+        .and_then(|stage| {
+            std::os::unix::fs::symlink(stage.path(), &link)
+                .map(|()| stage)
+                .map_err(|e| format!("linking {}: {e}", link.display()))
+        });
+    match staged {
+        Ok(stage) => Some(stage),
+        Err(e) => {
+            tracing::warn!(%id, store = %cfg.dir_label(), "the hook's images are written into \
+                the image and copied into the store after: {e}");
+            None
+        }
+    }
 }
 
 /// Gives a sealed image's large files to the store (mode `local` or `shared`). The image
@@ -95,6 +123,7 @@ pub async fn give_to_store(
         mode: ref_mode,
         shared: shared_at.clone().filter(|_| mode == Mode::Shared),
         threads: threads(),
+        adopt: true,
     };
     let store_at = cfg.dir.clone();
     let progress = LogProgress::new(id, format!("into the store {}", cfg.dir.display()));
@@ -109,7 +138,7 @@ pub async fn give_to_store(
     crate::metrics::note_store(id, |b| b.written += ingested.written_bytes);
     tracing::info!(%id, manifest = %name, store = %store.root().display(),
         bytes = ingested.dir_ref.bytes(), written = ingested.written_bytes,
-        chunks = ingested.chunks, elapsed_ms = started.elapsed().as_millis() as u64,
+        taken_in_place = ingested.adopted_bytes, chunks = ingested.chunks, elapsed_ms = started.elapsed().as_millis() as u64,
         "checkpoint by reference: its large files are in the store");
     if let Some(remote) = remote {
         let progress = LogProgress::new(id, format!("pushing to {}", remote.label()));

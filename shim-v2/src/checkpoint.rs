@@ -220,6 +220,10 @@ impl Container {
         for d in [image, work.as_path()] {
             std::fs::create_dir_all(d).ctx(|| format!("creating {}", d.display()))?;
         }
+        // By reference, the hook writes onto the store's filesystem: its bytes are written once.
+        let _stage = (self.hook && self.gpu.quiescer == gpu::Quiescer::Shim)
+            .then(|| by_reference::stage_for_hook(&self.id, image, &self.store))
+            .flatten();
         let opts = CheckpointOpts {
             image_path: image.to_path_buf(),
             work_path: Some(work.clone()),

@@ -51,25 +51,46 @@ fn entries(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 
 /// Moves every `gpu-hook/<ns pid>/<file>` to the image's top level under its folded name
 /// and removes the emptied directories. Returns how many files moved.
+///
+/// When `gpu-hook` is a link to a store's stage (a checkpoint by reference, see
+/// `by_reference::stage_for_hook`), the files stay there and the folded names are links to
+/// them: the store takes them in place, and its ingest replaces the links.
 pub fn fold(image: &Path) -> Result<usize> {
     let root = image.join(IMAGE_DIR);
+    let staged = root
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink());
     if !root.is_dir() {
+        if staged {
+            std::fs::remove_file(&root).ctx(|| format!("removing {}", root.display()))?;
+        }
         return Ok(0);
     }
+    let real = std::fs::canonicalize(&root).ctx(|| format!("following {}", root.display()))?;
     let mut moved = 0;
-    for (pid, dir) in entries(&root)? {
+    for (pid, dir) in entries(&real)? {
         if !dir.is_dir() {
             continue;
         }
         for (file, path) in entries(&dir)? {
             let to = image.join(folded_name(&pid, &file));
-            std::fs::rename(&path, &to)
-                .ctx(|| format!("moving {} to {}", path.display(), to.display()))?;
+            if staged {
+                std::os::unix::fs::symlink(&path, &to)
+            } else {
+                std::fs::rename(&path, &to)
+            }
+            .ctx(|| format!("moving {} to {}", path.display(), to.display()))?;
             moved += 1;
         }
-        std::fs::remove_dir(&dir).ctx(|| format!("removing {}", dir.display()))?;
+        if !staged {
+            std::fs::remove_dir(&dir).ctx(|| format!("removing {}", dir.display()))?;
+        }
     }
-    std::fs::remove_dir(&root).ctx(|| format!("removing {}", root.display()))?;
+    if staged {
+        std::fs::remove_file(&root).ctx(|| format!("removing {}", root.display()))?;
+    } else {
+        std::fs::remove_dir(&root).ctx(|| format!("removing {}", root.display()))?;
+    }
     Ok(moved)
 }
 

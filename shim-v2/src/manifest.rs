@@ -78,7 +78,8 @@ fn scan_into(dir: &Path, prefix: &str, files: &mut BTreeMap<String, Found>) -> R
     for e in std::fs::read_dir(dir).ctx(|| format!("reading {}", dir.display()))? {
         let e = e.ctx(|| format!("reading {}", dir.display()))?;
         let name = format!("{prefix}{}", e.file_name().to_string_lossy());
-        let md = e.metadata().ctx(|| format!("stat {name}"))?;
+        // Followed: a checkpoint by reference links the hook's files from the store's stage.
+        let md = std::fs::metadata(e.path()).ctx(|| format!("stat {name}"))?;
         if md.is_dir() && (name == gpu_hook::IMAGE_DIR || !prefix.is_empty()) {
             scan_into(&e.path(), &format!("{name}/"), files)?;
             continue;

@@ -22,7 +22,8 @@ use crate::digest::Digest;
 use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
 use crate::progress::{NoProgress, Progress};
-use crate::store::{sync_dir, write_synced, Store};
+use crate::slices::for_each_slice;
+use crate::store::{sync_dir, write_synced, Located, Store};
 
 /// The reference a by-reference checkpoint directory keeps in place of its large files.
 pub const REF_FILE: &str = "gpucr-store.json";
@@ -114,20 +115,37 @@ pub struct IngestOptions {
     pub shared: Option<String>,
     /// Threads hashing and writing chunks.
     pub threads: usize,
+    /// Take files on the store's filesystem in without copying them (packs, see
+    /// [`crate::pack`]); else every file is copied into chunks.
+    pub adopt: bool,
 }
 
 /// What [`ingest`] did.
 #[derive(Debug, Clone)]
 pub struct Ingested {
     pub dir_ref: DirRef,
-    /// Bytes this ingest wrote to the store (the rest were there already).
+    /// Bytes this ingest added to the store (the rest were there already).
     pub written_bytes: u64,
+    /// Of those, the bytes taken in place (adopted) rather than copied.
+    pub adopted_bytes: u64,
     pub chunks: usize,
+}
+
+/// One large file of the directory: where its bytes really are (a link's target).
+struct Large {
+    file: FileRef,
+    real: PathBuf,
+    linked: bool,
 }
 
 /// Gives `dir`'s large files to `store` under manifest `name`, writes [`REF_FILE`] and only
 /// then removes the files. On any error before the reference is durable the directory is
 /// unchanged (the chunks already written stay, unreferenced, for `gc`).
+///
+/// A symbolic link in `dir` stands for its target (the shim links the hook's images, written
+/// into a [`crate::Stage`], this way): a small one is replaced by a copy, a large one is taken
+/// in and its target removed with it. Files on the store's filesystem are adopted (no byte
+/// copied) when `opts.adopt`.
 pub fn ingest(store: &Store, dir: &Path, name: &str, opts: &IngestOptions) -> Result<Ingested> {
     ingest_with(store, dir, name, opts, &NoProgress)
 }
@@ -146,37 +164,56 @@ pub fn ingest_with(
             reason: "the directory is by reference already".into(),
         });
     }
-    let mut files = Vec::new();
+    let mut large = Vec::new();
     for entry in fs::read_dir(dir).map_err(io("cannot list", dir))? {
         let entry = entry.map_err(io("cannot list", dir))?;
-        let md = entry.metadata().map_err(io("cannot stat", entry.path()))?;
+        let path = entry.path();
         let Some(fname) = entry.file_name().to_str().map(str::to_string) else {
             continue;
         };
-        if md.is_file() && md.len() >= opts.min_size.max(1) {
-            files.push(FileRef {
+        let linked = entry.file_type().is_ok_and(|t| t.is_symlink());
+        let real = if linked {
+            fs::canonicalize(&path).map_err(io("cannot follow", &path))?
+        } else {
+            path.clone()
+        };
+        let md = fs::metadata(&real).map_err(io("cannot stat", &real))?;
+        if !md.is_file() {
+            continue;
+        }
+        if md.len() >= opts.min_size.max(1) {
+            let file = FileRef {
                 name: fname,
                 size: md.len(),
-            });
+            };
+            large.push(Large { file, real, linked });
+        } else if linked {
+            // Same bytes under the same name: the directory must be whole without the link.
+            let tmp = dir.join(format!(".{fname}.gpucr-tmp"));
+            fs::copy(&real, &tmp).map_err(io("cannot copy", &real))?;
+            fs::rename(&tmp, &path).map_err(io("cannot replace", &path))?;
         }
     }
-    files.sort_by(|a, b| a.name.cmp(&b.name));
+    large.sort_by(|a, b| a.file.name.cmp(&b.file.name));
+    let files: Vec<FileRef> = large.iter().map(|l| l.file.clone()).collect();
     let writer = store.writer()?;
     let mut chunks = Vec::with_capacity(files.iter().map(FileRef::chunks).sum());
+    let mut adopted = Vec::new();
     progress.start(files.iter().map(|f| f.size).sum());
-    let put = files.iter().try_for_each(|f| {
-        chunks.extend(put_file(
-            &writer,
-            &dir.join(&f.name),
-            f,
-            opts.threads,
-            progress,
-        )?);
+    let put = large.iter().try_for_each(|l| {
+        if opts.adopt && store.same_filesystem(&l.real) {
+            let a = writer.adopt(&l.real, l.file.size, opts.threads, progress)?;
+            chunks.extend_from_slice(&a.chunks);
+            adopted.push(a);
+        } else {
+            chunks.extend(put_file(&writer, &l.real, &l.file, opts.threads, progress)?);
+        }
         Ok::<_, StoreError>(())
     });
     progress.finish();
     put?;
     let written_bytes = writer.written_bytes();
+    let adopted_bytes = adopted.iter().map(|a| a.new_bytes).sum();
     // What `gpucr ls` shows beside the sizes: the mode and where the bytes are.
     let meta = serde_json::json!({
         "files": files, "chunk_size": CHUNK_SIZE, "mode": opts.mode, "node": hostname(),
@@ -201,13 +238,21 @@ pub fn ingest_with(
     let path = dir.join(REF_FILE);
     fs::rename(&tmp, &path).map_err(io("cannot publish", &path))?;
     sync_dir(dir)?;
-    for f in &dir_ref.files {
-        let p = dir.join(&f.name);
+    for l in &large {
+        let p = dir.join(&l.file.name);
         fs::remove_file(&p).map_err(io("cannot remove", &p))?;
+        if l.linked {
+            fs::remove_file(&l.real).map_err(io("cannot remove", &l.real))?;
+        }
+    }
+    // Only now, with no other name left, may the packs' duplicate slices read as zeros.
+    for a in &adopted {
+        a.reclaim();
     }
     Ok(Ingested {
         dir_ref,
         written_bytes,
+        adopted_bytes,
         chunks: manifest.chunks.len(),
     })
 }
@@ -221,48 +266,15 @@ fn put_file(
     progress: &dyn Progress,
 ) -> Result<Vec<ChunkRef>> {
     let file = File::open(path).map_err(io("cannot open", path))?;
-    let n = f.chunks();
-    let out = Mutex::new(vec![None; n]);
-    let next = AtomicUsize::new(0);
-    let first_err = Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, n.max(1)) {
-            s.spawn(|| {
-                let mut buf = vec![0u8; CHUNK_SIZE as usize];
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= n || first_err.lock().unwrap().is_some() {
-                        return;
-                    }
-                    let off = i as u64 * CHUNK_SIZE;
-                    let len = CHUNK_SIZE.min(f.size - off) as usize;
-                    let put = file
-                        .read_exact_at(&mut buf[..len], off)
-                        .map_err(io("cannot read", path))
-                        .and_then(|()| writer.put_chunk_as(Digest::of(&buf[..len]), &buf[..len]));
-                    match put {
-                        Ok(p) => {
-                            out.lock().unwrap()[i] = Some(p.chunk);
-                            progress.advance(len as u64);
-                        }
-                        Err(e) => {
-                            first_err.lock().unwrap().get_or_insert(e);
-                            return;
-                        }
-                    }
-                }
-            });
-        }
-    });
-    if let Some(e) = first_err.into_inner().unwrap() {
-        return Err(e);
-    }
-    Ok(out
-        .into_inner()
-        .unwrap()
-        .into_iter()
-        .map(|c| c.expect("every slice put"))
-        .collect())
+    for_each_slice(
+        &file,
+        path,
+        f.size,
+        CHUNK_SIZE,
+        threads,
+        progress,
+        |_, bytes| Ok(writer.put_chunk_as(Digest::of(bytes), bytes)?.chunk),
+    )
 }
 
 /// Puts `dir`'s referenced files back from `store` (each written under a temporary name and
@@ -369,8 +381,11 @@ fn fill_file(
                 if i >= chunks.len() || first_err.lock().unwrap().is_some() {
                     return;
                 }
-                let src = store.chunk_path(&chunks[i].digest);
-                if let Err(e) = copy_chunk(&src, &out, i as u64 * CHUNK_SIZE, chunks[i].len) {
+                let copied = match store.locate(&chunks[i]) {
+                    Some(src) => copy_chunk(&src, &out, i as u64 * CHUNK_SIZE, chunks[i].len),
+                    None => Err(store.missing(&chunks[i])),
+                };
+                if let Err(e) = copied {
                     first_err.lock().unwrap().get_or_insert(e);
                     return;
                 }
@@ -384,9 +399,10 @@ fn fill_file(
     }
 }
 
-fn copy_chunk(src: &PathBuf, out: &File, offset: u64, len: u64) -> Result<()> {
+fn copy_chunk(at: &Located, out: &File, offset: u64, len: u64) -> Result<()> {
+    let src = &at.path;
     let f = File::open(src).map_err(io("cannot open chunk", src))?;
-    let (mut off_in, mut off_out, mut left) = (0i64, offset as i64, len as usize);
+    let (mut off_in, mut off_out, mut left) = (at.offset as i64, offset as i64, len as usize);
     while left > 0 {
         match nix::fcntl::copy_file_range(&f, Some(&mut off_in), out, Some(&mut off_out), left) {
             Ok(0) => break,
@@ -427,6 +443,7 @@ mod tests {
             mode: RefMode::Local,
             shared: None,
             threads: 3,
+            adopt: false,
         }
     }
 
@@ -493,6 +510,82 @@ mod tests {
             std::fs::read(second.path().join("pages-1.img")).unwrap(),
             bytes
         );
+    }
+
+    #[test]
+    fn staged_files_are_adopted_through_their_links_and_gc_frees_their_packs() {
+        let root = tempfile::tempdir().unwrap();
+        let store = Store::open(root.path().join("store")).unwrap();
+        let stage = store.stage().unwrap();
+        // The hook's image in the stage, linked from the checkpoint directory (as the shim
+        // folds it); CRIU's pages in the directory itself, on the same filesystem.
+        let data = pattern(24 << 20, 5);
+        let staged = stage.path().join("7");
+        std::fs::create_dir(&staged).unwrap();
+        std::fs::write(staged.join("data-000.bin"), &data).unwrap();
+        std::fs::write(staged.join("manifest.json"), b"{}").unwrap();
+        let dir = root.path().join("image");
+        std::fs::create_dir(&dir).unwrap();
+        for f in ["data-000.bin", "manifest.json"] {
+            std::os::unix::fs::symlink(staged.join(f), dir.join(format!("gpu-hook.7.{f}")))
+                .unwrap();
+        }
+        let pages = pattern(9 << 20, 6);
+        std::fs::write(dir.join("pages-1.img"), &pages).unwrap();
+        let opts = IngestOptions {
+            adopt: true,
+            ..opts()
+        };
+        let got = ingest(&store, &dir, "c/1", &opts).unwrap();
+        let logical = (data.len() + pages.len()) as u64;
+        assert_eq!(got.written_bytes, logical);
+        assert_eq!(got.adopted_bytes, logical, "nothing copied");
+        // The small linked file is a file of the directory now; the large ones are gone,
+        // the hook's from the stage too.
+        let small = dir.join("gpu-hook.7.manifest.json");
+        assert!(!small.symlink_metadata().unwrap().is_symlink());
+        assert_eq!(std::fs::read(&small).unwrap(), b"{}");
+        assert!(!staged.join("data-000.bin").exists());
+        assert!(!dir.join("pages-1.img").exists());
+        assert!(store.validate(2).unwrap().is_clean());
+
+        // A second checkpoint, one slice of the hook's data changed: 8 MiB new.
+        let mut changed = data.clone();
+        changed[(8 << 20) + 1] ^= 1;
+        std::fs::write(staged.join("data-000.bin"), &changed).unwrap();
+        let dir2 = root.path().join("image2");
+        std::fs::create_dir(&dir2).unwrap();
+        std::os::unix::fs::symlink(
+            staged.join("data-000.bin"),
+            dir2.join("gpu-hook.7.data-000.bin"),
+        )
+        .unwrap();
+        let got2 = ingest(&store, &dir2, "c/2", &opts).unwrap();
+        assert_eq!(got2.written_bytes, 8 << 20);
+        drop(stage);
+        for (d, want) in [(&dir, &data), (&dir2, &changed)] {
+            materialize(&store, d, 2).unwrap();
+            assert_eq!(
+                &std::fs::read(d.join("gpu-hook.7.data-000.bin")).unwrap(),
+                want
+            );
+        }
+        assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), pages);
+
+        // The first checkpoint let go: its pages' pack goes, the hook's keeps what c/2 names.
+        let report = store
+            .gc(&crate::Retention {
+                keep_last: 1,
+                pinned: Default::default(),
+            })
+            .unwrap();
+        assert_eq!(report.manifests_removed, vec!["c/1".to_string()]);
+        assert_eq!(report.packs_removed, 1);
+        assert_eq!(report.chunks_removed, 2 + 1);
+        let m = store.manifest("c/2").unwrap();
+        store.require_chunks(&m).unwrap();
+        assert!(store.validate(2).unwrap().is_clean());
+        assert!(report.bytes_freed >= 8 << 20, "{report:?}");
     }
 
     #[test]

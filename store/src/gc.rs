@@ -4,12 +4,14 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs;
+use std::os::unix::fs::MetadataExt;
 
 use nix::fcntl::FlockArg;
 
 use crate::digest::Digest;
 use crate::error::{io, Result};
-use crate::store::{Store, CHUNKS, TMP};
+use crate::pack::{punch, Pointer, POINTER_SUFFIX};
+use crate::store::{Store, CHUNKS, PACKS, TMP};
 
 /// What a gc keeps: the newest `keep_last` manifests of each group (the name's first segment,
 /// gpucr's container), and every manifest in `pinned` (e.g. referenced by a checkpoint that
@@ -23,7 +25,9 @@ pub struct Retention {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcReport {
     pub manifests_removed: Vec<String>,
+    /// Chunks and pointers into packs.
     pub chunks_removed: u64,
+    pub packs_removed: u64,
     pub bytes_freed: u64,
 }
 
@@ -48,34 +52,68 @@ impl Store {
                 }
             }
         }
+        // Chunks and pointers no kept manifest names; the packs' ranges they held.
+        let mut live_packs: HashSet<String> = HashSet::new();
+        let mut dead: BTreeMap<String, Vec<(u64, u64)>> = BTreeMap::new();
         let chunks = self.root().join(CHUNKS);
         for shard in fs::read_dir(&chunks).map_err(io("cannot list", &chunks))? {
             let shard = shard.map_err(io("cannot list", &chunks))?.path();
             for entry in fs::read_dir(&shard).map_err(io("cannot list", &shard))? {
                 let entry = entry.map_err(io("cannot list", &shard))?;
-                let keep = entry
-                    .file_name()
-                    .to_str()
-                    .and_then(|n| n.parse::<Digest>().ok())
-                    .is_some_and(|d| live.contains(&d));
-                if !keep {
-                    let len = entry.metadata().map(|m| m.len()).unwrap_or(0);
-                    fs::remove_file(entry.path())
-                        .map_err(io("cannot remove chunk", entry.path()))?;
-                    report.chunks_removed += 1;
-                    report.bytes_freed += len;
+                let name = entry.file_name();
+                let name = name.to_str().unwrap_or_default();
+                let (hex, pointer) = match name.strip_suffix(POINTER_SUFFIX) {
+                    Some(hex) => (hex, Pointer::read(&entry.path())),
+                    None => (name, None),
+                };
+                let keep = hex.parse::<Digest>().is_ok_and(|d| live.contains(&d));
+                match (keep, pointer) {
+                    (true, Some(p)) => {
+                        live_packs.insert(p.pack);
+                        continue;
+                    }
+                    (true, None) => continue,
+                    (false, Some(p)) => dead.entry(p.pack).or_default().push((p.offset, p.len)),
+                    (false, None) => {
+                        report.bytes_freed += entry.metadata().map(|m| m.len()).unwrap_or(0);
+                    }
+                }
+                fs::remove_file(entry.path()).map_err(io("cannot remove chunk", entry.path()))?;
+                report.chunks_removed += 1;
+            }
+        }
+        let packs = self.root().join(PACKS);
+        for entry in fs::read_dir(&packs).map_err(io("cannot list", &packs))? {
+            let entry = entry.map_err(io("cannot list", &packs))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !live_packs.contains(&name) {
+                report.bytes_freed += entry.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+                fs::remove_file(entry.path()).map_err(io("cannot remove pack", entry.path()))?;
+                report.packs_removed += 1;
+                continue;
+            }
+            let ranges = dead.remove(&name).unwrap_or_default();
+            if let Ok(f) = fs::File::options().write(true).open(entry.path()) {
+                for (offset, len) in ranges {
+                    if punch(&f, offset, len).is_ok() {
+                        report.bytes_freed += len;
+                    }
                 }
             }
         }
-        // No writer holds the lock now: whatever is in tmp/ is left by one that died.
         let tmp = self.root().join(TMP);
         for entry in fs::read_dir(&tmp).map_err(io("cannot list", &tmp))? {
             let entry = entry.map_err(io("cannot list", &tmp))?;
-            let _ = fs::remove_file(entry.path());
+            // Writers and stages hold the lock shared: what is here was left by a dead one.
+            let _ = match entry.file_type() {
+                Ok(t) if t.is_dir() => fs::remove_dir_all(entry.path()),
+                _ => fs::remove_file(entry.path()),
+            };
         }
         tracing::info!(
             manifests_removed = report.manifests_removed.len(),
             chunks_removed = report.chunks_removed,
+            packs_removed = report.packs_removed,
             bytes_freed = report.bytes_freed,
             "store gc"
         );

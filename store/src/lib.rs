@@ -10,6 +10,9 @@
 //! - [`Store`]: opening a store and reading from it ([`store`]).
 //! - [`Writer`]: one checkpoint's writes, holding the store's shared lock so a concurrent
 //!   [`Store::gc`] never removes a chunk whose manifest is not yet published ([`writer`]).
+//! - [`Writer::adopt`]: a file on the store's filesystem taken in without copying its bytes
+//!   (a pack, with a pointer per new chunk); [`Stage`]: where such files are written
+//!   ([`pack`]).
 //! - [`Store::gc`] and [`Retention`]: what is kept ([`gc`]); [`Store::validate`]: every chunk
 //!   against its digest ([`validate`]).
 //! - [`Remote`]: the shared store other nodes reach; `push` and `pull` ([`remote`]).
@@ -28,9 +31,11 @@ pub mod error;
 pub mod events;
 pub mod gc;
 pub mod manifest;
+pub mod pack;
 pub mod progress;
 pub mod references;
 pub mod remote;
+mod slices;
 pub mod store;
 pub mod usage;
 pub mod validate;
@@ -41,9 +46,10 @@ pub use dir::{DirRef, IngestOptions, Ingested, RefMode};
 pub use error::{Result, StoreError};
 pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};
+pub use pack::{Adopted, Stage};
 pub use progress::{LogProgress, NoProgress, Progress};
 pub use remote::{Remote, Transfer};
-pub use store::Store;
+pub use store::{Located, Store};
 pub use usage::{ManifestUsage, Usage};
 pub use validate::ValidateReport;
 pub use writer::{Put, Writer};

@@ -18,8 +18,12 @@ const LOCK: &str = "store.lock";
 pub(crate) const CHUNKS: &str = "chunks";
 pub(crate) const MANIFESTS: &str = "manifests";
 pub(crate) const TMP: &str = "tmp";
+pub(crate) const PACKS: &str = "packs";
 const STORE_FORMAT: &str = "gpucr-store";
-const STORE_VERSION: u32 = 1;
+/// 2: chunks may be pointers into packs (`pack.rs`); a store is raised to 2 by its first pack,
+/// so a gpucr that reads only version 1 refuses it rather than misreading the pointers.
+const STORE_VERSION: u32 = 2;
+const FIRST_VERSION: u32 = 1;
 
 #[derive(Serialize, Deserialize)]
 struct Identity {
@@ -46,7 +50,9 @@ impl Store {
                 .map_err(io("cannot list the store directory", &root))?
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name())
-                .find(|n| ![CHUNKS, MANIFESTS, TMP, LOCK].contains(&n.to_str().unwrap_or("")));
+                .find(|n| {
+                    ![CHUNKS, MANIFESTS, TMP, PACKS, LOCK].contains(&n.to_str().unwrap_or(""))
+                });
             if let Some(name) = foreign {
                 return Err(StoreError::NotAStore {
                     path: root,
@@ -57,9 +63,10 @@ impl Store {
                 let p = root.join(dir);
                 fs::create_dir_all(&p).map_err(io("cannot create", &p))?;
             }
+            // Version 1 until a pack needs 2 (`raise_for_packs`): older gpucrs read it.
             let body = serde_json::to_vec(&Identity {
                 format: STORE_FORMAT.into(),
-                version: STORE_VERSION,
+                version: FIRST_VERSION,
                 id: random_hex(),
             })
             .expect("identity serialises");
@@ -82,11 +89,30 @@ impl Store {
                 id.format, id.version
             )));
         }
-        for dir in [CHUNKS, MANIFESTS, TMP] {
+        for dir in [CHUNKS, MANIFESTS, TMP, PACKS] {
             let p = root.join(dir);
             fs::create_dir_all(&p).map_err(io("cannot create", &p))?;
         }
         Ok(Store { root, id: id.id })
+    }
+
+    /// Raises the identity to the version that has packs, once, before the first pack.
+    pub(crate) fn raise_for_packs(&self) -> Result<()> {
+        let ident = self.root.join(IDENTITY);
+        let text = fs::read(&ident).map_err(io("cannot read", &ident))?;
+        let mut id: Identity =
+            serde_json::from_slice(&text).map_err(|e| StoreError::NotAStore {
+                path: self.root.clone(),
+                reason: format!("{IDENTITY} is damaged: {e}"),
+            })?;
+        if id.version >= STORE_VERSION {
+            return Ok(());
+        }
+        id.version = STORE_VERSION;
+        let tmp = self.tmp_path();
+        write_synced(&tmp, &serde_json::to_vec(&id).expect("identity serialises"))?;
+        fs::rename(&tmp, &ident).map_err(io("cannot replace", &ident))?;
+        sync_dir(&self.root)
     }
 
     pub fn root(&self) -> &Path {
@@ -104,24 +130,33 @@ impl Store {
         self.root.join(CHUNKS).join(&hex[..2]).join(hex)
     }
 
-    /// Whether the chunk is present with its length (its bytes are checked by [`Self::read_chunk`]
-    /// and [`Self::validate`], not here).
+    /// Whether the chunk is present with its length, as a file of its own or in a pack (its
+    /// bytes are checked by [`Self::read_chunk`] and [`Self::validate`], not here).
     pub fn has_chunk(&self, chunk: &ChunkRef) -> bool {
-        fs::metadata(self.chunk_path(&chunk.digest))
-            .is_ok_and(|m| m.is_file() && m.len() == chunk.len)
+        self.locate(chunk).is_some()
+    }
+
+    /// Where the chunk's bytes are: `len` bytes of a plain file from `offset`, usable in place
+    /// (read, `copy_file_range`, mmap); `None` when it is missing.
+    pub fn locate(&self, chunk: &ChunkRef) -> Option<Located> {
+        let path = self.chunk_path(&chunk.digest);
+        if fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() == chunk.len) {
+            return Some(Located { path, offset: 0 });
+        }
+        crate::pack::locate_packed(self, chunk)
     }
 
     /// The chunk's bytes, checked against its digest.
     pub fn read_chunk(&self, chunk: &ChunkRef) -> Result<Vec<u8>> {
-        let path = self.chunk_path(&chunk.digest);
-        let mut bytes = Vec::with_capacity(chunk.len as usize);
-        match File::open(&path) {
-            Ok(mut f) => f
-                .read_to_end(&mut bytes)
-                .map_err(io("cannot read chunk", &path))?,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Err(self.missing(chunk)),
-            Err(e) => return Err(io("cannot open chunk", &path)(e)),
+        let Some(at) = self.locate(chunk) else {
+            return Err(self.missing(chunk));
         };
+        let path = at.path;
+        let mut bytes = vec![0u8; chunk.len as usize];
+        let f = File::open(&path).map_err(io("cannot open chunk", &path))?;
+        let got =
+            read_at_most(&f, &mut bytes, at.offset).map_err(io("cannot read chunk", &path))?;
+        bytes.truncate(got);
         let actual = Digest::of(&bytes);
         if actual != chunk.digest || bytes.len() as u64 != chunk.len {
             return Err(StoreError::ChunkDamaged {
@@ -219,6 +254,28 @@ impl Store {
     }
 }
 
+/// Where a chunk's bytes are ([`Store::locate`]): `path` from `offset`, the chunk's length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    pub path: PathBuf,
+    pub offset: u64,
+}
+
+/// Reads into `buf` from `offset` until it is full or the file ends; how many bytes came.
+pub(crate) fn read_at_most(f: &File, buf: &mut [u8], offset: u64) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read_at(&mut buf[got..], offset + got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
 /// An flock of the file at `path` (created if absent), held until the value is dropped; for
 /// the store, the event log and the shims' metrics textfile.
 pub fn lock_file(path: &Path, arg: FlockArg) -> Result<Flock<File>> {
@@ -264,7 +321,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     nix::unistd::fsync(f.as_fd()).map_err(|e| io("cannot sync", dir)(e.into()))
 }
 
-fn unique_name() -> String {
+pub(crate) fn unique_name() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     format!(
         "{}-{}-{}",

@@ -2,13 +2,15 @@
 //! present, on several threads.
 
 use std::fs::{self, File};
-use std::path::PathBuf;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::digest::Digest;
 use crate::error::{io, Result};
 use crate::manifest::ChunkRef;
+use crate::pack::{Pointer, POINTER_SUFFIX};
 use crate::store::{Store, CHUNKS};
 
 #[derive(Debug, Default)]
@@ -27,7 +29,26 @@ impl ValidateReport {
     }
 }
 
+fn hash_file(path: &Path) -> std::io::Result<(Digest, u64)> {
+    File::open(path).and_then(Digest::of_reader)
+}
+
+/// The digest of the range a pointer names; an unreadable pointer or a short pack is an error.
+fn hash_packed(store: &Store, pointer: &Path) -> std::io::Result<(Digest, u64)> {
+    let bad = || std::io::Error::from(std::io::ErrorKind::InvalidData);
+    let p = Pointer::read(pointer).ok_or_else(bad)?;
+    let mut f = File::open(store.pack_path(&p.pack))?;
+    f.seek(SeekFrom::Start(p.offset))?;
+    let (digest, len) = Digest::of_reader(f.take(p.len))?;
+    if len != p.len {
+        return Err(bad());
+    }
+    Ok((digest, len))
+}
+
 impl Store {
+    /// Checks every chunk, loose or in a pack, against its name, and that every manifest's
+    /// chunks are present.
     pub fn validate(&self, threads: usize) -> Result<ValidateReport> {
         let mut files = Vec::new();
         let chunks = self.root().join(CHUNKS);
@@ -43,11 +64,11 @@ impl Store {
             for _ in 0..threads.max(1) {
                 s.spawn(|| {
                     while let Some(path) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        let named = path
-                            .file_name()
-                            .and_then(|n| n.to_str())
-                            .and_then(|n| n.parse::<Digest>().ok());
-                        let hashed = File::open(path).and_then(Digest::of_reader);
+                        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                        let (named, hashed) = match name.strip_suffix(POINTER_SUFFIX) {
+                            Some(hex) => (hex.parse::<Digest>().ok(), hash_packed(self, path)),
+                            None => (name.parse::<Digest>().ok(), hash_file(path)),
+                        };
                         let mut r = report.lock().unwrap();
                         r.chunks_checked += 1;
                         match (named, hashed) {

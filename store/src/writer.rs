@@ -68,7 +68,16 @@ impl Writer<'_> {
         Ok(Put { chunk, written })
     }
 
-    /// Bytes this writer added to the store (chunks it found present are not counted).
+    pub(crate) fn store(&self) -> &Store {
+        self.store
+    }
+
+    pub(crate) fn count_written(&self, bytes: u64) {
+        self.written_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Bytes this writer added to the store (chunks it found present are not counted;
+    /// adopted slices it made pointers for are).
     pub fn written_bytes(&self) -> u64 {
         self.written_bytes.load(Ordering::Relaxed)
     }

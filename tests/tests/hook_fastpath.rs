@@ -606,3 +606,87 @@ fn every_hook_failpoint_ends_clean() {
     g.restore_from_dir(&id, &dir, &spec, &hash);
     g.ctd.remove_container(&id).unwrap();
 }
+
+/// By reference (`GPUCR_STORE_MODE=local`), the hook writes its GPU state into a stage on
+/// the store's filesystem and the store takes it in as a pack, without a second write: the
+/// image keeps the hook's small files and `gpucr-store.json`, no link and no data file; the
+/// stage is gone; the restore gets the memory back from the pack. A second checkpoint of the
+/// unchanged memory adds nothing for it.
+#[test]
+fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
+    // On tmpfs, as recommended, and away from the image directories: what the store takes in
+    // place is then the hook's alone (CRIU's pages, on another filesystem, are copied).
+    let store = tempfile::Builder::new()
+        .prefix("gpucr-store-")
+        .tempdir_in("/dev/shm")
+        .unwrap();
+    let Some(g) = start_with(&[
+        ("GPUCR_STORE".into(), store.path().display().to_string()),
+        ("GPUCR_STORE_MODE".into(), "local".into()),
+        ("GPUCR_STORE_MIN_BYTES".into(), "16384".into()),
+    ]) else {
+        return;
+    };
+    let id = unique_id("hook-ref");
+    let (_pid, hash) = g.run_app(&id, "on");
+    let spec = g.ctd.container_spec(&id).unwrap();
+    let taken = |log: &str| -> Vec<u64> {
+        log.lines()
+            .filter(|l| l.contains(&id) && l.contains("taken_in_place="))
+            .filter_map(|l| {
+                l.split("taken_in_place=")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    let mut dirs = Vec::new();
+    for n in 1..=2 {
+        let dir = g.ctd.dir().join(format!("ref-{n}-{id}"));
+        g.ctd
+            .checkpoint_into(&id, &dir)
+            .unwrap_or_else(|e| panic!("checkpoint {n}: {e}\nshim log: {}", g.shim_log()));
+        g.ctd.wait_status(&id, "RUNNING").unwrap();
+        g.assert_memory_kept(&id, &hash);
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().any(|n| n == "gpucr-store.json"), "{names:?}");
+        assert!(
+            !names.iter().any(|n| n.starts_with("gpu-hook.1.data")),
+            "{names:?}"
+        );
+        for name in &names {
+            let md = dir.join(name).symlink_metadata().unwrap();
+            assert!(!md.file_type().is_symlink(), "{name} is a link");
+        }
+        assert!(dir.join("gpu-hook.1.manifest.json").is_file(), "{names:?}");
+        dirs.push(dir);
+    }
+    // The first checkpoint took the hook's data in place; the second found the unchanged
+    // device memory in the store already.
+    let log = g.shim_log();
+    let took = taken(&log);
+    assert_eq!(took.len(), 2, "{log}");
+    assert!(
+        (APP_BYTES..APP_BYTES + (1 << 20)).contains(&took[0]),
+        "{took:?}\n{log}"
+    );
+    assert_eq!(took[1], 0, "{log}");
+    let packs = std::fs::read_dir(store.path().join("packs"))
+        .unwrap()
+        .count();
+    assert!(packs >= 1, "no pack in the store");
+    let tmp: Vec<_> = std::fs::read_dir(store.path().join("tmp"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(tmp.is_empty(), "left in the store's tmp: {tmp:?}");
+    g.ctd.remove_container(&id).unwrap();
+    g.restore_from_dir(&id, &dirs[0], &spec, &hash);
+    g.ctd.remove_container(&id).unwrap();
+}

@@ -312,6 +312,8 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 mode: RefMode::Local,
                 shared: None,
                 threads,
+                // Files on the store's filesystem go in by a link; they leave the directory anyway.
+                adopt: true,
             };
             let bar = bar::for_terminal(&format!("importing {}", dir.display()));
             let got = dir::ingest_with(&store, &dir, &name, &opts, bar.as_ref())?;

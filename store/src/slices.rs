@@ -1,0 +1,67 @@
+//! A file read slice by slice at fixed offsets on several threads: what a copy into the store
+//! ([`crate::dir`]) and an adoption ([`crate::pack`]) both do with each slice's bytes.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::error::{io, Result, StoreError};
+use crate::progress::Progress;
+
+/// Calls `each(offset, bytes)` for every `slice`-byte slice of the first `size` bytes of
+/// `file` (the last one shorter), on `threads` threads; the results in slice order. Stops at
+/// the first error, which it returns. `progress` advances by each slice's length.
+pub(crate) fn for_each_slice<T: Send>(
+    file: &File,
+    path: &Path,
+    size: u64,
+    slice: u64,
+    threads: usize,
+    progress: &dyn Progress,
+    each: impl Fn(u64, &[u8]) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let n = size.div_ceil(slice) as usize;
+    let out: Mutex<Vec<Option<T>>> = Mutex::new((0..n).map(|_| None).collect());
+    let next = AtomicUsize::new(0);
+    let first_err: Mutex<Option<StoreError>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, n.max(1)) {
+            s.spawn(|| {
+                let mut buf = vec![0u8; slice as usize];
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= n || first_err.lock().unwrap().is_some() {
+                        return;
+                    }
+                    let off = i as u64 * slice;
+                    let len = slice.min(size - off) as usize;
+                    let done = file
+                        .read_exact_at(&mut buf[..len], off)
+                        .map_err(io("cannot read", path))
+                        .and_then(|()| each(off, &buf[..len]));
+                    match done {
+                        Ok(t) => {
+                            out.lock().unwrap()[i] = Some(t);
+                            progress.advance(len as u64);
+                        }
+                        Err(e) => {
+                            first_err.lock().unwrap().get_or_insert(e);
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = first_err.into_inner().unwrap() {
+        return Err(e);
+    }
+    Ok(out
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .map(|t| t.expect("every slice done"))
+        .collect())
+}
