@@ -17,6 +17,7 @@
 //! a pod's annotations choose only the mode.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 use gpucr_store::{dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Stage, Store};
@@ -157,14 +158,20 @@ pub async fn give_to_store(
 /// At Create: puts a by-reference image's files back from the store, pulling what this
 /// node lacks from the shared store first. Nothing of the image changes when a chunk is
 /// missing.
-pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<()> {
+///
+/// The hook's images go into a stage in the store, linked as the image's `gpu-hook`: a data
+/// file the store took in whole is a link to its pack there, read in place by the copy-in
+/// (on tmpfs, the helpers register those pages for DMA). The stage must outlive the copy-in
+/// (the restore plan holds it); the image keeps `gpucr-store.json`, so it can be restored
+/// again after.
+pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<Option<Arc<Stage>>> {
     let refuse = |msg: String| Error::Restore {
         id: id.to_string(),
         image: image.to_path_buf(),
         msg,
     };
     let Some(r) = DirRef::read(image).map_err(|e| refuse(e.to_string()))? else {
-        return Ok(());
+        return Ok(None);
     };
     let started = Instant::now();
     let store =
@@ -225,17 +232,82 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<()> {
             }
         }
     }
+    let stage = hook_stage(id, &store, image, &r);
     let at = image.to_path_buf();
     let progress = LogProgress::new(id, format!("back from the store {}", cfg.dir.display()));
-    crate::gpu::blocking("store", move || {
-        dir::materialize_with(&store, &at, threads(), &progress)
+    let staged = stage.as_ref().map(|s| s.path().to_path_buf());
+    let put = crate::gpu::blocking("store", move || {
+        let place = |name: &str| {
+            let (pid, file) = crate::layout::unfolded_name(name)?;
+            Some(staged.as_ref()?.join(pid).join(file))
+        };
+        let m = dir::materialize_placed(&store, &at, threads(), &progress, &place)?;
+        if let Some(root) = &staged {
+            link_hook_images(&at, root).map_err(|e| io_error("linking the hook's images", e))?;
+        }
+        Ok::<_, gpucr_store::StoreError>(m)
     })
     .await?
     .map_err(|e| refuse(format!("the checkpoint's data: {e}")))?;
-    tracing::info!(%id, manifest = %r.manifest, bytes = r.bytes(),
+    let linked = put.as_ref().map_or(0, |m| m.linked_bytes);
+    tracing::info!(%id, manifest = %r.manifest, bytes = r.bytes(), read_in_place = linked,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "the checkpoint's files are back from the store");
-    Ok(())
+    Ok(stage.map(Arc::new))
+}
+
+/// A stage for the hook's images of a restore, when the image has some and no `gpu-hook`
+/// directory of its own; `None` puts them back into the image as before.
+fn hook_stage(id: &str, store: &Store, image: &Path, r: &DirRef) -> Option<Stage> {
+    let hooked = r
+        .files
+        .iter()
+        .any(|f| crate::layout::unfolded_name(&f.name).is_some());
+    let own = image.join(crate::gpu::hook::IMAGE_DIR);
+    let own_dir = own.symlink_metadata().is_ok_and(|m| m.is_dir());
+    if !hooked || own_dir {
+        return None;
+    }
+    store
+        .stage()
+        .inspect_err(|e| {
+            tracing::warn!(%id, "the hook's images are copied into the image: {e}");
+        })
+        .ok()
+}
+
+/// Copies the hook's small files (the large ones are placed already) from the image's top
+/// level into `root/<ns pid>/`, and links `gpu-hook` to `root` (replacing an earlier
+/// restore's link).
+fn link_hook_images(image: &Path, root: &Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(image)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((pid, file)) = crate::layout::unfolded_name(&name) else {
+            continue;
+        };
+        if !e.file_type()?.is_file() {
+            continue;
+        }
+        let to = root.join(pid).join(file);
+        if !to.exists() {
+            std::fs::create_dir_all(root.join(pid))?;
+            std::fs::copy(e.path(), &to)?;
+        }
+    }
+    let link = image.join(crate::gpu::hook::IMAGE_DIR);
+    if link.symlink_metadata().is_ok() {
+        std::fs::remove_file(&link)?;
+    }
+    std::os::unix::fs::symlink(root, &link)
+}
+
+fn io_error(what: &'static str, e: std::io::Error) -> gpucr_store::StoreError {
+    gpucr_store::StoreError::Io {
+        what,
+        path: Default::default(),
+        source: e,
+    }
 }
 
 /// A store manifest name's first segment from a container id.

@@ -321,11 +321,12 @@ impl Container {
         let mut gpu_pairs = Vec::new();
         let mut records = Records::default();
         let mut helpers = HelperChoice::NotWanted;
+        let mut store_stage = None;
         let hook;
         if let Some(image) = &cfg.checkpoint {
             // A by-reference image's files back from the store, before anything reads it.
             if image.is_dir() {
-                crate::by_reference::resolve(&cfg.id, image, &store).await?;
+                store_stage = crate::by_reference::resolve(&cfg.id, image, &store).await?;
             }
             // The hook's images back in their directories (a checkpoint leaves them flat);
             // a missing image is validate_image's to refuse.
@@ -414,6 +415,7 @@ impl Container {
                     records: std::mem::take(&mut records),
                     gpu_pairs: std::mem::take(&mut gpu_pairs),
                     helpers: std::mem::replace(&mut helpers, HelperChoice::NotWanted),
+                    store_stage: store_stage.take(),
                 })
             }
             None => {

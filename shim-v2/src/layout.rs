@@ -98,6 +98,14 @@ pub fn fold(image: &Path) -> Result<usize> {
 /// restore reads them. An image that was never folded is left as it is. Returns how many
 /// files moved.
 pub fn unfold(image: &Path) -> Result<usize> {
+    // Linked to a store's stage that holds them already (`by_reference::resolve`).
+    let root = image.join(IMAGE_DIR);
+    if root
+        .symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink())
+    {
+        return Ok(0);
+    }
     let mut moved = 0;
     for (name, path) in entries(image)? {
         let Some((pid, file)) = unfolded_name(&name) else {

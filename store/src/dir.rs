@@ -201,7 +201,7 @@ pub fn ingest_with(
     let mut adopted = Vec::new();
     progress.start(files.iter().map(|f| f.size).sum());
     let put = large.iter().try_for_each(|l| {
-        if opts.adopt && store.same_filesystem(&l.real) {
+        if opts.adopt && store.same_filesystem(&l.real) && single_name(&l.real) {
             let a = writer.adopt(&l.real, l.file.size, opts.threads, progress)?;
             chunks.extend_from_slice(&a.chunks);
             adopted.push(a);
@@ -257,6 +257,12 @@ pub fn ingest_with(
     })
 }
 
+/// Whether `path` has no other name (see [`crate::Writer::adopt`]).
+fn single_name(path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata(path).is_ok_and(|m| m.nlink() == 1)
+}
+
 /// Hashes and puts `file`'s slices on `threads` threads; its chunk references in order.
 fn put_file(
     writer: &crate::writer::Writer<'_>,
@@ -292,6 +298,32 @@ pub fn materialize_with(
     threads: usize,
     progress: &dyn Progress,
 ) -> Result<Option<DirRef>> {
+    Ok(materialize_placed(store, dir, threads, progress, &|_| None)?.map(|m| m.dir_ref))
+}
+
+/// What [`materialize_placed`] did.
+#[derive(Debug, Clone)]
+pub struct Materialized {
+    pub dir_ref: DirRef,
+    /// Bytes put back by a hard link to a pack rather than copied.
+    pub linked_bytes: u64,
+    /// Files put where `place` said, not in the directory.
+    pub placed: usize,
+}
+
+/// [`materialize_with`], putting each file for which `place(name)` gives a path there instead
+/// of into `dir` (its parent is created). Such a file, when its chunks are one pack's slices in
+/// order (a file the store took in whole) and the place is on the store's filesystem, is a hard
+/// link to the pack: read in place, no byte copied. The caller must not write to it. When any file was placed elsewhere,
+/// [`REF_FILE`] stays, so that the directory can be materialized again after the placed files
+/// are gone.
+pub fn materialize_placed(
+    store: &Store,
+    dir: &Path,
+    threads: usize,
+    progress: &dyn Progress,
+    place: &dyn Fn(&str) -> Option<PathBuf>,
+) -> Result<Option<Materialized>> {
     let Some(r) = DirRef::read(dir)? else {
         return Ok(None);
     };
@@ -299,15 +331,22 @@ pub fn materialize_with(
     check_matches(&r, &manifest, &dir.join(REF_FILE))?;
     store.require_chunks(&manifest)?;
     progress.start(r.bytes());
-    let filled = fill_files(store, dir, &r, &manifest, threads, progress);
+    let filled = fill_files(store, dir, &r, &manifest, threads, progress, place);
     progress.finish();
-    filled?;
-    let path = dir.join(REF_FILE);
-    fs::remove_file(&path).map_err(io("cannot remove", &path))?;
-    Ok(Some(r))
+    let (linked_bytes, placed) = filled?;
+    if placed == 0 {
+        let path = dir.join(REF_FILE);
+        fs::remove_file(&path).map_err(io("cannot remove", &path))?;
+    }
+    Ok(Some(Materialized {
+        dir_ref: r,
+        linked_bytes,
+        placed,
+    }))
 }
 
-/// Every file of `r` back under its name, each written under a temporary name first.
+/// Every file of `r` back under its name (or where `place` says), each written under a
+/// temporary name first; the bytes linked rather than copied, and how many were placed.
 fn fill_files(
     store: &Store,
     dir: &Path,
@@ -315,21 +354,65 @@ fn fill_files(
     manifest: &Manifest,
     threads: usize,
     progress: &dyn Progress,
-) -> Result<()> {
-    let mut at = 0;
+    place: &dyn Fn(&str) -> Option<PathBuf>,
+) -> Result<(u64, usize)> {
+    let (mut at, mut linked, mut placed) = (0, 0, 0);
     for f in &r.files {
         let chunks = &manifest.chunks[at..at + f.chunks()];
         at += f.chunks();
-        let target = dir.join(&f.name);
-        let tmp = dir.join(format!(".{}.gpucr-tmp", f.name));
-        let res = fill_file(store, &tmp, f.size, chunks, threads, progress);
+        let elsewhere = place(&f.name);
+        // Links only where the caller owns the name (a stage): a file in `dir` may be edited
+        // or taken in again, and must not share the pack's bytes.
+        let may_link = elsewhere.is_some();
+        let target = match elsewhere {
+            Some(t) => {
+                placed += 1;
+                t
+            }
+            None => dir.join(&f.name),
+        };
+        let parent = target.parent().unwrap_or(dir);
+        fs::create_dir_all(parent).map_err(io("cannot create", parent))?;
+        let tmp = parent.join(format!(
+            ".{}.gpucr-tmp",
+            target.file_name().unwrap_or_default().to_string_lossy()
+        ));
+        let _ = fs::remove_file(&tmp);
+        let pack =
+            whole_pack(store, chunks, f.size).filter(|_| may_link && store.same_filesystem(parent));
+        let res = match &pack {
+            Some(pack) => fs::hard_link(pack, &tmp).map_err(io("cannot link", pack)),
+            None => fill_file(store, &tmp, f.size, chunks, threads, progress),
+        };
         if let Err(e) = res {
             let _ = fs::remove_file(&tmp);
             return Err(e);
         }
+        if pack.is_some() {
+            linked += f.size;
+            progress.advance(f.size);
+        }
         fs::rename(&tmp, &target).map_err(io("cannot rename into place", &target))?;
     }
-    Ok(())
+    Ok((linked, placed))
+}
+
+/// The pack that holds a file's `chunks` as its own slices, in order, and is `size` long.
+fn whole_pack(store: &Store, chunks: &[ChunkRef], size: u64) -> Option<PathBuf> {
+    let packs = store.root().join(crate::store::PACKS);
+    let mut pack: Option<PathBuf> = None;
+    for (i, c) in chunks.iter().enumerate() {
+        let at = store.locate(c)?;
+        if at.offset != i as u64 * CHUNK_SIZE || !at.path.starts_with(&packs) {
+            return None;
+        }
+        match &pack {
+            Some(p) if *p != at.path => return None,
+            Some(_) => {}
+            None => pack = Some(at.path),
+        }
+    }
+    pack.filter(|p| fs::metadata(p).is_ok_and(|m| m.len() == size))
 }
 
 /// The manifest lists exactly the reference's files, slice by slice.
@@ -563,14 +646,32 @@ mod tests {
         let got2 = ingest(&store, &dir2, "c/2", &opts).unwrap();
         assert_eq!(got2.written_bytes, 8 << 20);
         drop(stage);
+
+        // Put back with the hook's file in a stage: one pack holds it whole, so it is linked.
+        let stage = store.stage().unwrap();
+        let place = |name: &str| {
+            (name == "gpu-hook.7.data-000.bin").then(|| stage.path().join("7/data-000.bin"))
+        };
+        let m = materialize_placed(&store, &dir, 2, &NoProgress, &place)
+            .unwrap()
+            .unwrap();
+        // Only the placed file: CRIU's pages in the directory are copied.
+        assert_eq!((m.linked_bytes, m.placed), (data.len() as u64, 1));
+        let placed = stage.path().join("7/data-000.bin");
+        assert_eq!(std::fs::read(&placed).unwrap(), data);
+        assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), pages);
+        // The reference stays: with the stage gone, the directory can be put back again.
+        assert!(dir.join(REF_FILE).exists());
+        drop(stage);
+        assert!(!placed.exists());
         for (d, want) in [(&dir, &data), (&dir2, &changed)] {
             materialize(&store, d, 2).unwrap();
             assert_eq!(
                 &std::fs::read(d.join("gpu-hook.7.data-000.bin")).unwrap(),
                 want
             );
+            assert!(!d.join(REF_FILE).exists());
         }
-        assert_eq!(std::fs::read(dir.join("pages-1.img")).unwrap(), pages);
 
         // The first checkpoint let go: its pages' pack goes, the hook's keeps what c/2 names.
         let report = store

@@ -42,7 +42,7 @@ pub mod validate;
 pub mod writer;
 
 pub use digest::Digest;
-pub use dir::{DirRef, IngestOptions, Ingested, RefMode};
+pub use dir::{DirRef, IngestOptions, Ingested, Materialized, RefMode};
 pub use error::{Result, StoreError};
 pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::digest::Digest;
 use crate::dir::CHUNK_SIZE;
-use crate::error::{io, Result};
+use crate::error::{io, Result, StoreError};
 use crate::manifest::ChunkRef;
 use crate::progress::Progress;
 use crate::slices::for_each_slice;
@@ -182,6 +182,16 @@ impl Writer<'_> {
         progress: &dyn Progress,
     ) -> Result<Adopted> {
         let store = self.store();
+        // A file with another name (a pack's link, put back by a restore) shares its bytes
+        // with the store already: taking it in again would punch what a pointer names.
+        let md = fs::metadata(path).map_err(io("cannot stat", path))?;
+        if md.nlink() != 1 {
+            return Err(StoreError::Io {
+                what: "cannot take in a file with several names",
+                path: path.to_path_buf(),
+                source: std::io::ErrorKind::AlreadyExists.into(),
+            });
+        }
         store.raise_for_packs()?;
         let name = format!("{}{PACK_SUFFIX}", unique_name());
         let pack = store.pack_path(&name);

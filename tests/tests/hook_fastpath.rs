@@ -610,8 +610,8 @@ fn every_hook_failpoint_ends_clean() {
 /// By reference (`GPUCR_STORE_MODE=local`), the hook writes its GPU state into a stage on
 /// the store's filesystem and the store takes it in as a pack, without a second write: the
 /// image keeps the hook's small files and `gpucr-store.json`, no link and no data file; the
-/// stage is gone; the restore gets the memory back from the pack. A second checkpoint of the
-/// unchanged memory adds nothing for it.
+/// stage is gone. A second checkpoint of the unchanged memory adds nothing for it. Restores
+/// read the hook's data in place (the pack linked into a stage), and an image restores twice.
 #[test]
 fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
     // On tmpfs, as recommended, and away from the image directories: what the store takes in
@@ -686,7 +686,32 @@ fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
         .map(|e| e.unwrap().path())
         .collect();
     assert!(tmp.is_empty(), "left in the store's tmp: {tmp:?}");
+    // Each restore reads the hook's data in place: a link to the pack in a stage (the second
+    // checkpoint's data is the first one's pack, slice for slice). The image keeps its
+    // reference, so the first one restores twice; the stages go with the restores.
+    let read_in_place = |log: &str| -> Vec<u64> {
+        log.lines()
+            .filter(|l| l.contains(&id) && l.contains("read_in_place="))
+            .filter_map(|l| {
+                l.split("read_in_place=")
+                    .nth(1)?
+                    .split(' ')
+                    .next()?
+                    .parse()
+                    .ok()
+            })
+            .collect()
+    };
+    for dir in [&dirs[0], &dirs[1], &dirs[0]] {
+        g.ctd.remove_container(&id).unwrap();
+        g.restore_from_dir(&id, dir, &spec, &hash);
+        assert!(dir.join("gpucr-store.json").is_file());
+    }
+    let log = g.shim_log();
+    let read = read_in_place(&log);
+    assert_eq!(read.len(), 3, "{log}");
+    assert!(read.iter().all(|&n| n >= APP_BYTES), "{read:?}\n{log}");
     g.ctd.remove_container(&id).unwrap();
-    g.restore_from_dir(&id, &dirs[0], &spec, &hash);
-    g.ctd.remove_container(&id).unwrap();
+    let tmp = std::fs::read_dir(store.path().join("tmp")).unwrap().count();
+    assert_eq!(tmp, 0, "a restore's stage was left in the store");
 }

@@ -107,6 +107,9 @@ pub struct RestorePlan {
     pub gpu_pairs: Vec<GpuPair>,
     /// Whether Start starts copy-in helpers for the hook's copy-in, and on which GPU.
     pub helpers: HelperChoice,
+    /// Where a by-reference image's hook images are read in place (`by_reference::resolve`);
+    /// removed when the plan goes.
+    pub store_stage: Option<std::sync::Arc<gpucr_store::Stage>>,
 }
 
 impl RestorePlan {
