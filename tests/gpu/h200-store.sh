@@ -4,7 +4,9 @@
 # `ctr c checkpoint --task --rw` / `ctr c restore --live --rw` cycles, every step checked
 # against an uninterrupted run) once per store mode, side by side: inline (the image
 # self-contained, through containerd's tar), local (its large files in the node's store,
-# on tmpfs; the second checkpoint writes only the chunks that changed) and shared (also
+# on tmpfs; the hook writes its GPU state into the store's stage, which takes it in as a
+# pack, and a restore reads it from there in place; the second checkpoint adds only the
+# chunks that changed) and shared (also
 # pushed to a shared store directory; before each restore the node's own store is emptied,
 # so the restore pulls every chunk back from the shared store, whose plain read speed is
 # measured there too: shared-read.txt).
@@ -36,7 +38,7 @@ for mode in ${GPUCR_STORE_SIDES:-inline local}; do
     wipe=/tmp/gpucr-store-wipe.sh
     cat >"$wipe" <<WIPE
 #!/usr/bin/env bash
-find "$store/chunks" "$store/manifests" -type f -delete 2>/dev/null
+find "$store/chunks" "$store/manifests" "$store/packs" -type f -delete 2>/dev/null
 t0=\$(date +%s%N)
 bytes=\$(find "$shared_dir/chunks" -type f -printf '%s\n' | awk '{s+=\$1} END {print s+0}')
 find "$shared_dir/chunks" -type f -print0 | xargs -0 -P 16 -n 64 cat >/dev/null
@@ -56,7 +58,8 @@ WIPE
     zcat "$OUT/$mode/containerd.log.gz" | grep -E 'checkpoint by reference|back from the store|pulled from|"checkpointed"|msg="checkpointed|restored' \
       | sed 's/^/  /' | tail -20 >>"$SUM"
   fi
-  echo "  store after: $(du -sb "$store" 2>/dev/null | cut -f1) bytes in $(find "$store/chunks" -type f 2>/dev/null | wc -l) chunks" >>"$SUM"
+  # Allocated bytes: packs are sparse where their duplicate slices were punched.
+  echo "  store after: $(du -s -B1 "$store" 2>/dev/null | cut -f1) bytes allocated, $(find "$store/chunks" -type f 2>/dev/null | wc -l) chunks and pointers, $(find "$store/packs" -type f 2>/dev/null | wc -l) packs" >>"$SUM"
   [ -f "$OUT/$mode/shared-read.txt" ] && sed 's/^/  /' "$OUT/$mode/shared-read.txt" >>"$SUM"
   rm -rf "$store" "${shared_dir:-/nonexistent}"
 done
