@@ -9,6 +9,13 @@
 #                                      hard-linked copy into an empty store (hash + write)
 #   tests/store-bench.sh reingest      second checkpoint of unchanged memory: the same into a
 #                                      store that holds it (hash only, nothing written)
+#   tests/store-bench.sh written-once  the hook's write and the store taking it in place: the
+#                                      image copied into a fresh directory on the store's
+#                                      filesystem (what the hook writes into its stage), then
+#                                      `gpucr import` of it into an empty store (hash + link)
+#   tests/store-bench.sh written-twice the same write, then the import copying it (hash +
+#                                      write: a second name on each file makes it copy), as
+#                                      before packs
 #   tests/store-bench.sh tar           what containerd does with an inline image: one tar
 #                                      stream through SHA-256 into a blob
 #   tests/store-bench.sh export        restore by reference: `gpucr export` (files back from
@@ -38,6 +45,17 @@ case ${1:-} in
     cp -al "$B/src" "$B/w"
     "$CLI" --store "$B/fresh" import "$B/w" --name bench/1 >/dev/null
     ;;
+  written-once)
+    rm -rf "$B/w" "$B/fresh"
+    cp -a "$B/src" "$B/w"
+    "$CLI" --store "$B/fresh" import "$B/w" --name bench/1 >/dev/null
+    ;;
+  written-twice)
+    rm -rf "$B/w" "$B/w2" "$B/fresh"
+    cp -a "$B/src" "$B/w"
+    cp -al "$B/w" "$B/w2"
+    "$CLI" --store "$B/fresh" import "$B/w2" --name bench/1 >/dev/null
+    ;;
   reingest)
     rm -rf "$B/w"
     cp -al "$B/src" "$B/w"
@@ -57,7 +75,7 @@ case ${1:-} in
     tar -C "$B/u" -xf "$B/blob.tar"
     ;;
   *)
-    echo "usage: $0 prepare GIB | ingest | reingest | tar | export | untar" >&2
+    echo "usage: $0 prepare GIB | ingest | written-once | written-twice | reingest | tar | export | untar" >&2
     exit 2
     ;;
 esac
