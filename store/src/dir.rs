@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use crate::digest::Digest;
 use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
+use crate::mapped::MappedOut;
 use crate::progress::{NoProgress, Progress};
 use crate::slices::for_each_slice;
 use crate::store::{sync_dir, write_synced, Located, Store};
@@ -444,7 +445,8 @@ fn check_matches(r: &DirRef, m: &Manifest, path: &Path) -> Result<()> {
 }
 
 /// Writes `chunks` into a new file `path` of `size` bytes at their offsets, on `threads`
-/// threads, by `copy_file_range` (in the kernel; a read and write where it is refused).
+/// threads: read into a shared mapping of it (in parallel even on tmpfs, see `mapped`), or,
+/// where it cannot be mapped and populated, by `copy_file_range`.
 fn fill_file(
     store: &Store,
     path: &Path,
@@ -453,8 +455,17 @@ fn fill_file(
     threads: usize,
     progress: &dyn Progress,
 ) -> Result<()> {
-    let out = File::create(path).map_err(io("cannot create", path))?;
+    let out = File::options()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .map_err(io("cannot create", path))?;
     out.set_len(size).map_err(io("cannot size", path))?;
+    let mapped = (size > 0)
+        .then(|| MappedOut::new(&out, size as usize).ok())
+        .flatten();
     let next = AtomicUsize::new(0);
     let first_err = Mutex::new(None);
     std::thread::scope(|s| {
@@ -464,9 +475,13 @@ fn fill_file(
                 if i >= chunks.len() || first_err.lock().unwrap().is_some() {
                     return;
                 }
-                let copied = match store.locate(&chunks[i]) {
-                    Some(src) => copy_chunk(&src, &out, i as u64 * CHUNK_SIZE, chunks[i].len),
-                    None => Err(store.missing(&chunks[i])),
+                let offset = i as u64 * CHUNK_SIZE;
+                let copied = match (store.locate(&chunks[i]), &mapped) {
+                    (None, _) => Err(store.missing(&chunks[i])),
+                    (Some(src), Some(map)) => {
+                        read_chunk_into(&src, map, offset, chunks[i].len, path)
+                    }
+                    (Some(src), None) => copy_chunk(&src, &out, offset, chunks[i].len),
                 };
                 if let Err(e) = copied {
                     first_err.lock().unwrap().get_or_insert(e);
@@ -480,6 +495,16 @@ fn fill_file(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Reads the chunk at `at` into `map` at `offset`.
+fn read_chunk_into(at: &Located, map: &MappedOut, offset: u64, len: u64, out: &Path) -> Result<()> {
+    let f = File::open(&at.path).map_err(io("cannot open chunk", &at.path))?;
+    // SAFETY: each chunk's range is handed to one thread only.
+    let dst = unsafe { map.range(offset as usize, len as usize) }
+        .map_err(io("cannot allocate room (is its filesystem full?) in", out))?;
+    f.read_exact_at(dst, at.offset)
+        .map_err(io("cannot read chunk", &at.path))
 }
 
 fn copy_chunk(at: &Located, out: &File, offset: u64, len: u64) -> Result<()> {
@@ -687,6 +712,23 @@ mod tests {
         store.require_chunks(&m).unwrap();
         assert!(store.validate(2).unwrap().is_clean());
         assert!(report.bytes_freed >= 8 << 20, "{report:?}");
+    }
+
+    #[test]
+    fn a_chunk_is_copied_where_the_file_cannot_be_mapped() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("pack");
+        std::fs::write(&src, pattern(3 << 20, 7)).unwrap();
+        let out = File::create(dir.path().join("out")).unwrap();
+        out.set_len(2 << 20).unwrap();
+        let at = Located {
+            path: src.clone(),
+            offset: 1 << 20,
+        };
+        copy_chunk(&at, &out, 1 << 20, 1 << 20).unwrap();
+        let got = std::fs::read(dir.path().join("out")).unwrap();
+        assert_eq!(&got[1 << 20..], &pattern(3 << 20, 7)[1 << 20..2 << 20]);
+        assert!(got[..1 << 20].iter().all(|&b| b == 0));
     }
 
     #[test]

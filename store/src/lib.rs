@@ -31,6 +31,7 @@ pub mod error;
 pub mod events;
 pub mod gc;
 pub mod manifest;
+mod mapped;
 pub mod pack;
 pub mod progress;
 pub mod references;

@@ -1,0 +1,89 @@
+//! A new file filled through a shared mapping by several threads at once. On tmpfs, writes to
+//! one file take its lock one at a time (about 1.4 GB/s on the GPU host, docs/BENCHMARKS.md),
+//! while page faults into a shared mapping of it run in parallel.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
+
+/// `MADV_POPULATE_WRITE` (Linux 5.14): allocates the pages now and says so with an error (a
+/// full tmpfs) instead of a SIGBUS at the first write.
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// A read-write shared mapping of a whole file. Unmapped when dropped.
+pub(crate) struct MappedOut {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: threads only write disjoint ranges handed out by the caller (see `range`).
+unsafe impl Send for MappedOut {}
+unsafe impl Sync for MappedOut {}
+
+impl MappedOut {
+    /// Maps `file` (opened read-write, already `len` bytes long, `len` > 0) and checks that
+    /// this kernel can populate it; `Err` means: write it another way.
+    pub(crate) fn new(file: &File, len: usize) -> io::Result<MappedOut> {
+        // SAFETY: a fresh shared mapping of a file we hold open, `len` bytes long.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let map = MappedOut {
+            ptr: NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?,
+            len,
+        };
+        map.populate(0, len.min(4096))?;
+        Ok(map)
+    }
+
+    /// Allocates the pages of `[offset, offset + len)`; a full filesystem is an error here.
+    pub(crate) fn populate(&self, offset: usize, len: usize) -> io::Result<()> {
+        assert!(offset + len <= self.len, "range out of the mapping");
+        let page = 4096;
+        let start = offset / page * page;
+        // SAFETY: a range inside our mapping.
+        let rc = unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().add(start).cast(),
+                offset + len - start,
+                MADV_POPULATE_WRITE,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    /// The bytes of `[offset, offset + len)`, populated first.
+    ///
+    /// # Safety
+    /// No other live slice may overlap the range.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn range(&self, offset: usize, len: usize) -> io::Result<&mut [u8]> {
+        self.populate(offset, len)?;
+        Ok(std::slice::from_raw_parts_mut(
+            self.ptr.as_ptr().add(offset),
+            len,
+        ))
+    }
+}
+
+impl Drop for MappedOut {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; every slice of it is gone with the borrow of `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
