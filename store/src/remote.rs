@@ -126,7 +126,9 @@ impl Remote {
         let mut t = Transfer::default();
         let mut puts = futures::stream::iter(unique)
             .map(|c| async move {
-                let bytes = local.read_chunk(&c)?;
+                // On the blocking pool: `parallel` reads at once, not one after another.
+                let store = local.clone();
+                let bytes = blocking(&self.label, move || store.read_chunk(&c)).await?;
                 let created = self.put_new(&chunk_object(&c.digest), bytes).await?;
                 Ok::<_, StoreError>((c, created))
             })
@@ -200,23 +202,33 @@ impl Remote {
         progress: &dyn Progress,
         t: &mut Transfer,
     ) -> Result<()> {
+        // Held until every chunk is in: gc cannot take what is not yet named by the manifest.
         let writer = local.writer()?;
         let mut gets = futures::stream::iter(missing)
             .map(|c| async move {
                 let bytes = self.get(&chunk_object(&c.digest)).await?;
-                let actual = Digest::of(&bytes);
-                if actual != c.digest || bytes.len() as u64 != c.len {
-                    return Err(StoreError::ChunkDamaged {
-                        path: format!("{}/{}", self.label, chunk_object(&c.digest)).into(),
-                        actual,
-                        len: bytes.len() as u64,
-                    });
-                }
-                Ok((c, bytes))
+                let path = format!("{}/{}", self.label, chunk_object(&c.digest));
+                // Checked and written on the blocking pool, `parallel` at once.
+                let store = local.clone();
+                let put = blocking(&self.label, move || {
+                    let actual = Digest::of(&bytes);
+                    if actual != c.digest || bytes.len() as u64 != c.len {
+                        return Err(StoreError::ChunkDamaged {
+                            path: path.into(),
+                            actual,
+                            len: bytes.len() as u64,
+                        });
+                    }
+                    crate::writer::store_chunk(&store, c.digest, &bytes)
+                })
+                .await?;
+                Ok((c, put))
             })
             .buffer_unordered(parallel.max(1));
-        while let Some((c, bytes)) = gets.try_next().await? {
-            writer.put_chunk_as(c.digest, &bytes)?;
+        while let Some((c, put)) = gets.try_next().await? {
+            if put.written {
+                writer.count_written(c.len);
+            }
             t.chunks += 1;
             t.bytes += c.len;
             progress.advance(c.len);
@@ -271,6 +283,20 @@ impl Remote {
     fn objects_label(&self, location: &ObjectPath) -> String {
         format!("{}/{location}", self.label)
     }
+}
+
+/// Runs `work` on tokio's blocking pool.
+async fn blocking<T: Send + 'static>(
+    label: &str,
+    work: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| StoreError::Io {
+            what: "a transfer's worker failed",
+            path: label.into(),
+            source: std::io::Error::other(e),
+        })?
 }
 
 fn unique(manifest: &Manifest) -> Vec<ChunkRef> {

@@ -48,24 +48,11 @@ impl Writer<'_> {
     /// [`Self::put_chunk`] for a caller that has hashed `bytes` already (e.g. while copying
     /// them); `digest` must be BLAKE3 of `bytes`. Several threads may put at once.
     pub fn put_chunk_as(&self, digest: Digest, bytes: &[u8]) -> Result<Put> {
-        let chunk = ChunkRef {
-            digest,
-            len: bytes.len() as u64,
-        };
-        if self.store.has_chunk(&chunk) {
-            return Ok(Put {
-                chunk,
-                written: false,
-            });
+        let put = store_chunk(self.store, digest, bytes)?;
+        if put.written {
+            self.count_written(put.chunk.len);
         }
-        // Not synced one by one: `publish` syncs the filesystem once before the manifest.
-        let tmp = self.store.tmp_path();
-        std::fs::write(&tmp, bytes).map_err(crate::error::io("cannot write chunk", &tmp))?;
-        let written = publish(&tmp, &self.store.chunk_path(&digest))?;
-        if written {
-            self.written_bytes.fetch_add(chunk.len, Ordering::Relaxed);
-        }
-        Ok(Put { chunk, written })
+        Ok(put)
     }
 
     pub(crate) fn store(&self) -> &Store {
@@ -123,6 +110,25 @@ impl Writer<'_> {
         tracing::debug!(manifest = name, chunks = manifest.chunks.len(), "published");
         Ok(manifest)
     }
+}
+
+/// A chunk's bytes into `store` unless present; the caller holds a [`Writer`] (its lock).
+pub(crate) fn store_chunk(store: &Store, digest: Digest, bytes: &[u8]) -> Result<Put> {
+    let chunk = ChunkRef {
+        digest,
+        len: bytes.len() as u64,
+    };
+    if store.has_chunk(&chunk) {
+        return Ok(Put {
+            chunk,
+            written: false,
+        });
+    }
+    // Not synced one by one: `publish` syncs the filesystem once before the manifest.
+    let tmp = store.tmp_path();
+    std::fs::write(&tmp, bytes).map_err(crate::error::io("cannot write chunk", &tmp))?;
+    let written = publish(&tmp, &store.chunk_path(&digest))?;
+    Ok(Put { chunk, written })
 }
 
 #[cfg(test)]
