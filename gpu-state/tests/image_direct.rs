@@ -389,3 +389,44 @@ fn mapped_reads_match_plain_reads_and_check_crcs() {
         );
     }
 }
+
+/// Each allocation starts on an 8 MiB boundary of the direct file, so a store that cuts the
+/// file into 8 MiB slices finds an unchanged allocation in equal slices when one before it
+/// grew, and the padding costs no memory once the image is finished.
+#[test]
+fn an_allocation_keeps_its_slices_when_an_earlier_one_changes() {
+    const SLICE: u64 = 8 << 20;
+    let Some(root) = tmpfs_dir() else { return };
+    let mut rng = Rng(9);
+    let weights = rng.bytes((9 << 20) + 123);
+    let first = vec![
+        alloc(0x7f00_0000_0000, rng.bytes(3 * CHUNK + 5)),
+        alloc(0x7f00_4000_0000, weights.clone()),
+    ];
+    let second = vec![
+        alloc(0x7f00_0000_0000, rng.bytes(5 * CHUNK + 77)),
+        alloc(0x7f00_4000_0000, weights),
+    ];
+    let mut slices = Vec::new();
+    for (name, allocs) in [("a", &first), ("b", &second)] {
+        let dir = root.path().join(name);
+        let m = write_direct(&dir, None, allocs, None);
+        let Location::Data { file, offset, .. } = m.allocations[1].chunks[0].at else {
+            panic!("the weights' first chunk is stored");
+        };
+        assert_eq!(offset % SLICE, 0, "{name}: the weights start at {offset}");
+        let bytes = std::fs::read(dir.join(&m.files[file as usize].name)).unwrap();
+        let at = offset as usize;
+        slices.push(bytes[at..at + SLICE as usize].to_vec());
+        let (blocks, len) = usage(&dir);
+        assert!(
+            blocks < len,
+            "{name}: the padding is punched ({blocks} of {len})"
+        );
+        let reader = ImageReader::open(&dir).unwrap();
+        for a in allocs {
+            assert_eq!(read_back(&reader, a.va, None).unwrap(), a.data);
+        }
+    }
+    assert!(slices[0] == slices[1], "the weights' first slice differs");
+}

@@ -19,6 +19,13 @@ const TMPFS_MAGIC: i64 = 0x0102_1994;
 /// cover whole pages.
 pub(crate) const DIRECT_ALIGN: u64 = 4096;
 
+/// An allocation's first place in the direct data file starts on this boundary when it has
+/// at least this many bytes of places (smaller ones are packed as before): a store
+/// that cuts the file into 8 MiB slices at fixed offsets (gpucr's, `store/src/dir.rs`) then
+/// finds an allocation's unchanged bytes in the same slices whatever changed before it (an
+/// allocation more or less, zero chunks left out). The padding is punched out at the finish.
+pub(crate) const DIRECT_ALLOC_ALIGN: u64 = 8 << 20;
+
 /// Name of the direct data file while the image is written (renumbered at publish).
 pub(crate) const DIRECT_FILE: &str = "data-direct.bin";
 

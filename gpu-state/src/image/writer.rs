@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::atomic::{create_temp_dir, fsync_path, publish, random_id, remove_stale_temps};
-use super::direct::{is_tmpfs, DirectMap, DIRECT_ALIGN, DIRECT_FILE};
+use super::direct::{is_tmpfs, DirectMap, DIRECT_ALIGN, DIRECT_ALLOC_ALIGN, DIRECT_FILE};
 use super::error::ImageError;
 use super::gpuhash::ChunkDigest;
 use super::layer::ParentChunk;
@@ -467,7 +467,9 @@ impl ImageWriter {
     }
 
     /// Creates the direct data file: one page-aligned place for every chunk of the
-    /// allocations begun so far that is not written yet, allocated and mapped shared.
+    /// allocations begun so far that is not written yet, allocated and mapped shared. The
+    /// places of an allocation with at least [`DIRECT_ALLOC_ALIGN`] of them start on that
+    /// boundary.
     /// Chunks then go through [`stage_direct`](Self::stage_direct) (DMA straight into
     /// the file) and [`commit_direct`](Self::commit_direct) (the workers check, hash and
     /// punch out what is not stored). Staged chunks may still be mixed in.
@@ -488,7 +490,19 @@ impl ImageWriter {
         }
         let chunk_size = self.opts.chunk_size as u64;
         let mut total = 0u64;
+        let mut padding = Vec::new();
         for (a, state) in self.allocations.iter_mut().enumerate() {
+            // Only allocations with a slice's worth of places: the padding of a small one
+            // would cost more than its dedup saves.
+            let placed: u64 = (0..state.submitted.len())
+                .filter(|&i| !state.submitted[i] && !skip(AllocId(a), i))
+                .map(|i| chunk_size.min(state.size - i as u64 * chunk_size))
+                .sum();
+            let start = total.next_multiple_of(DIRECT_ALLOC_ALIGN);
+            if placed >= DIRECT_ALLOC_ALIGN && start > total {
+                padding.push((total, start - total));
+                total = start;
+            }
             state.direct_at = (0..state.submitted.len())
                 .map(|i| {
                     if skip(AllocId(a), i) {
@@ -514,7 +528,8 @@ impl ImageWriter {
         self.direct = Some(Direct {
             map: Arc::new(map),
             file: self.opts.threads as u32,
-            unused: Vec::new(),
+            // The padding is punched out at the finish, like places left unused.
+            unused: padding,
         });
         tracing::debug!(bytes = len, "direct data file mapped");
         Ok(region)
