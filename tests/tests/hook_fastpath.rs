@@ -610,7 +610,8 @@ fn every_hook_failpoint_ends_clean() {
 /// By reference (`GPUCR_STORE_MODE=local`), the hook writes its GPU state into a stage on
 /// the store's filesystem and the store takes it in as a pack, without a second write: the
 /// image keeps the hook's small files and `gpucr-store.json`, no link and no data file; the
-/// stage is gone. A second checkpoint of the unchanged memory adds nothing for it. Restores
+/// stage is gone. A second checkpoint of the unchanged memory adds nothing for it (the hook's
+/// direct writer: see below). Restores
 /// read the hook's data in place (the pack linked into a stage), and an image restores twice.
 #[test]
 fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
@@ -628,7 +629,10 @@ fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
         return;
     };
     let id = unique_id("hook-ref");
-    let (_pid, hash) = g.run_app(&id, "on");
+    // The direct writer places every chunk by its allocation and index, so the second
+    // image's bytes lie where the first one's did; the staged writer (the default) appends
+    // chunks as its workers finish them, and the store's fixed slices may then differ.
+    let (_pid, hash) = g.run_app_with(&id, "on", &["GPUCR_HOOK_DIRECT=1"]);
     let spec = g.ctd.container_spec(&id).unwrap();
     let taken = |log: &str| -> Vec<u64> {
         log.lines()
