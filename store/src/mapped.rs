@@ -1,6 +1,7 @@
-//! A new file filled through a shared mapping by several threads at once. On tmpfs, writes to
+//! Files through mappings. A new file filled by several threads at once: on tmpfs, writes to
 //! one file take its lock one at a time (about 1.4 GB/s on the GPU host, docs/BENCHMARKS.md),
-//! while page faults into a shared mapping of it run in parallel.
+//! while page faults into a shared mapping of it run in parallel. A file read in place: hashed
+//! straight from the page cache, without a copy into a buffer first.
 
 use std::fs::File;
 use std::io;
@@ -84,6 +85,56 @@ impl MappedOut {
 impl Drop for MappedOut {
     fn drop(&mut self) {
         // SAFETY: our mapping; every slice of it is gone with the borrow of `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// A read-only shared mapping of a whole file, for reading it in place. The file must not be
+/// cut shorter while mapped (a read past its end would be a SIGBUS): gpucr maps only the
+/// checkpoint's own files, which nothing else writes by then.
+pub(crate) struct MappedIn {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: read-only memory.
+unsafe impl Send for MappedIn {}
+unsafe impl Sync for MappedIn {}
+
+impl MappedIn {
+    /// Maps the first `len` bytes of `file` (`len` > 0).
+    pub(crate) fn new(file: &File, len: usize) -> io::Result<MappedIn> {
+        // SAFETY: a fresh read-only mapping of a file we hold open.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(MappedIn {
+            ptr: NonNull::new(ptr.cast()).ok_or_else(|| io::Error::other("mmap gave null"))?,
+            len,
+        })
+    }
+
+    /// The bytes of `[offset, offset + len)`.
+    pub(crate) fn slice(&self, offset: usize, len: usize) -> &[u8] {
+        assert!(offset + len <= self.len, "range out of the mapping");
+        // SAFETY: inside the mapping, which nobody writes through.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) }
+    }
+}
+
+impl Drop for MappedIn {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; its slices borrow `self`.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }

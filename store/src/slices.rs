@@ -1,5 +1,6 @@
 //! A file read slice by slice at fixed offsets on several threads: what a copy into the store
-//! ([`crate::dir`]) and an adoption ([`crate::pack`]) both do with each slice's bytes.
+//! ([`crate::dir`]) and an adoption ([`crate::pack`]) both do with each slice's bytes. The
+//! slices are read in place from a mapping of the file where it maps.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -8,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{io, Result, StoreError};
+use crate::mapped::MappedIn;
 use crate::progress::Progress;
 
 /// Calls `each(offset, bytes)` for every `slice`-byte slice of the first `size` bytes of
@@ -23,13 +25,21 @@ pub(crate) fn for_each_slice<T: Send>(
     each: impl Fn(u64, &[u8]) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let n = size.div_ceil(slice) as usize;
+    // In place where the file maps (no copy into a buffer); read into one where it does not.
+    let mapped = (size > 0)
+        .then(|| MappedIn::new(file, size as usize).ok())
+        .flatten();
     let out: Mutex<Vec<Option<T>>> = Mutex::new((0..n).map(|_| None).collect());
     let next = AtomicUsize::new(0);
     let first_err: Mutex<Option<StoreError>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.clamp(1, n.max(1)) {
             s.spawn(|| {
-                let mut buf = vec![0u8; slice as usize];
+                let mut buf = if mapped.is_some() {
+                    Vec::new()
+                } else {
+                    vec![0u8; slice as usize]
+                };
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= n || first_err.lock().unwrap().is_some() {
@@ -37,10 +47,13 @@ pub(crate) fn for_each_slice<T: Send>(
                     }
                     let off = i as u64 * slice;
                     let len = slice.min(size - off) as usize;
-                    let done = file
-                        .read_exact_at(&mut buf[..len], off)
-                        .map_err(io("cannot read", path))
-                        .and_then(|()| each(off, &buf[..len]));
+                    let done = match &mapped {
+                        Some(map) => each(off, map.slice(off as usize, len)),
+                        None => file
+                            .read_exact_at(&mut buf[..len], off)
+                            .map_err(io("cannot read", path))
+                            .and_then(|()| each(off, &buf[..len])),
+                    };
                     match done {
                         Ok(t) => {
                             out.lock().unwrap()[i] = Some(t);
