@@ -634,19 +634,6 @@ fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
     // chunks as its workers finish them, and the store's fixed slices may then differ.
     let (_pid, hash) = g.run_app_with(&id, "on", &["GPUCR_HOOK_DIRECT=1"]);
     let spec = g.ctd.container_spec(&id).unwrap();
-    let taken = |log: &str| -> Vec<u64> {
-        log.lines()
-            .filter(|l| l.contains(&id) && l.contains("taken_in_place="))
-            .filter_map(|l| {
-                l.split("taken_in_place=")
-                    .nth(1)?
-                    .split(' ')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect()
-    };
     let mut dirs = Vec::new();
     for n in 1..=2 {
         let dir = g.ctd.dir().join(format!("ref-{n}-{id}"));
@@ -674,7 +661,7 @@ fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
     // The first checkpoint took the hook's data in place; the second found the unchanged
     // device memory in the store already.
     let log = g.shim_log();
-    let took = taken(&log);
+    let took = logged(&log, &id, "taken_in_place");
     assert_eq!(took.len(), 2, "{log}");
     assert!(
         (APP_BYTES..APP_BYTES + (1 << 20)).contains(&took[0]),
@@ -693,29 +680,25 @@ fn a_checkpoint_by_reference_takes_the_hooks_image_in_place() {
     // Each restore reads the hook's data in place: a link to the pack in a stage (the second
     // checkpoint's data is the first one's pack, slice for slice). The image keeps its
     // reference, so the first one restores twice; the stages go with the restores.
-    let read_in_place = |log: &str| -> Vec<u64> {
-        log.lines()
-            .filter(|l| l.contains(&id) && l.contains("read_in_place="))
-            .filter_map(|l| {
-                l.split("read_in_place=")
-                    .nth(1)?
-                    .split(' ')
-                    .next()?
-                    .parse()
-                    .ok()
-            })
-            .collect()
-    };
     for dir in [&dirs[0], &dirs[1], &dirs[0]] {
         g.ctd.remove_container(&id).unwrap();
         g.restore_from_dir(&id, dir, &spec, &hash);
         assert!(dir.join("gpucr-store.json").is_file());
     }
     let log = g.shim_log();
-    let read = read_in_place(&log);
+    let read = logged(&log, &id, "read_in_place");
     assert_eq!(read.len(), 3, "{log}");
     assert!(read.iter().all(|&n| n >= APP_BYTES), "{read:?}\n{log}");
     g.ctd.remove_container(&id).unwrap();
     let tmp = std::fs::read_dir(store.path().join("tmp")).unwrap().count();
     assert_eq!(tmp, 0, "a restore's stage was left in the store");
+}
+
+/// The numbers the shim logged as `field=N` on lines about container `id`, in order.
+fn logged(log: &str, id: &str, field: &str) -> Vec<u64> {
+    let key = format!("{field}=");
+    log.lines()
+        .filter(|l| l.contains(id))
+        .filter_map(|l| l.split(&key).nth(1)?.split(' ').next()?.parse().ok())
+        .collect()
 }
