@@ -139,7 +139,8 @@ pub async fn give_to_store(
     crate::metrics::note_store(id, |b| b.written += ingested.written_bytes);
     tracing::info!(%id, manifest = %name, store = %store.root().display(),
         bytes = ingested.dir_ref.bytes(), written = ingested.written_bytes,
-        taken_in_place = ingested.adopted_bytes, chunks = ingested.chunks, elapsed_ms = started.elapsed().as_millis() as u64,
+        taken_in_place = ingested.adopted_bytes, chunks = ingested.chunks,
+        elapsed_ms = started.elapsed().as_millis() as u64,
         "checkpoint by reference: its large files are in the store");
     if let Some(remote) = remote {
         let progress = LogProgress::new(id, format!("pushing to {}", remote.label()));
@@ -243,7 +244,10 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<Option
         };
         let m = dir::materialize_placed(&store, &at, threads(), &progress, &place)?;
         if let Some(root) = &staged {
-            link_hook_images(&at, root).map_err(|e| io_error("linking the hook's images", e))?;
+            link_hook_images(&at, root).map_err(gpucr_store::error::io(
+                "cannot link the hook's images from",
+                &at,
+            ))?;
         }
         Ok::<_, gpucr_store::StoreError>(m)
     })
@@ -300,14 +304,6 @@ fn link_hook_images(image: &Path, root: &Path) -> std::io::Result<()> {
         std::fs::remove_file(&link)?;
     }
     std::os::unix::fs::symlink(root, &link)
-}
-
-fn io_error(what: &'static str, e: std::io::Error) -> gpucr_store::StoreError {
-    gpucr_store::StoreError::Io {
-        what,
-        path: Default::default(),
-        source: e,
-    }
 }
 
 /// A store manifest name's first segment from a container id.

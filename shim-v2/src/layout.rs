@@ -40,6 +40,12 @@ pub fn manifest_name(relative: &str) -> String {
     }
 }
 
+/// Whether `path` is a symbolic link (`gpu-hook` linked to a store's stage).
+fn is_link(path: &Path) -> bool {
+    path.symlink_metadata()
+        .is_ok_and(|m| m.file_type().is_symlink())
+}
+
 fn entries(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).ctx(|| format!("reading {}", dir.display()))? {
@@ -57,9 +63,7 @@ fn entries(dir: &Path) -> Result<Vec<(String, PathBuf)>> {
 /// them: the store takes them in place, and its ingest replaces the links.
 pub fn fold(image: &Path) -> Result<usize> {
     let root = image.join(IMAGE_DIR);
-    let staged = root
-        .symlink_metadata()
-        .is_ok_and(|m| m.file_type().is_symlink());
+    let staged = is_link(&root);
     if !root.is_dir() {
         if staged {
             std::fs::remove_file(&root).ctx(|| format!("removing {}", root.display()))?;
@@ -99,11 +103,7 @@ pub fn fold(image: &Path) -> Result<usize> {
 /// files moved.
 pub fn unfold(image: &Path) -> Result<usize> {
     // Linked to a store's stage that holds them already (`by_reference::resolve`).
-    let root = image.join(IMAGE_DIR);
-    if root
-        .symlink_metadata()
-        .is_ok_and(|m| m.file_type().is_symlink())
-    {
+    if is_link(&image.join(IMAGE_DIR)) {
         return Ok(0);
     }
     let mut moved = 0;

@@ -13,8 +13,6 @@
 use std::fs::{self, File};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -23,7 +21,7 @@ use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
 use crate::mapped::MappedOut;
 use crate::progress::{NoProgress, Progress};
-use crate::slices::for_each_slice;
+use crate::slices::{for_each_slice, parallel};
 use crate::store::{sync_dir, write_synced, Located, Store};
 
 /// The reference a by-reference checkpoint directory keeps in place of its large files.
@@ -202,7 +200,7 @@ pub fn ingest_with(
     let mut adopted = Vec::new();
     progress.start(files.iter().map(|f| f.size).sum());
     let put = large.iter().try_for_each(|l| {
-        if opts.adopt && store.same_filesystem(&l.real) && single_name(&l.real) {
+        if opts.adopt && store.can_adopt(&l.real) {
             let a = writer.adopt(&l.real, l.file.size, opts.threads, progress)?;
             chunks.extend_from_slice(&a.chunks);
             adopted.push(a);
@@ -258,12 +256,6 @@ pub fn ingest_with(
     })
 }
 
-/// Whether `path` has no other name (see [`crate::Writer::adopt`]).
-fn single_name(path: &Path) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    fs::metadata(path).is_ok_and(|m| m.nlink() == 1)
-}
-
 /// Hashes and puts `file`'s slices on `threads` threads; its chunk references in order.
 fn put_file(
     writer: &crate::writer::Writer<'_>,
@@ -315,9 +307,9 @@ pub struct Materialized {
 /// [`materialize_with`], putting each file for which `place(name)` gives a path there instead
 /// of into `dir` (its parent is created). Such a file, when its chunks are one pack's slices in
 /// order (a file the store took in whole) and the place is on the store's filesystem, is a hard
-/// link to the pack: read in place, no byte copied. The caller must not write to it. When any file was placed elsewhere,
-/// [`REF_FILE`] stays, so that the directory can be materialized again after the placed files
-/// are gone.
+/// link to the pack: read in place, no byte copied. The caller must not write to it. When any
+/// file was placed elsewhere, [`REF_FILE`] stays, so that the directory can be materialized
+/// again after the placed files are gone.
 pub fn materialize_placed(
     store: &Store,
     dir: &Path,
@@ -466,35 +458,22 @@ fn fill_file(
     let mapped = (size > 0)
         .then(|| MappedOut::new(&out, size as usize).ok())
         .flatten();
-    let next = AtomicUsize::new(0);
-    let first_err = Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads.clamp(1, chunks.len().max(1)) {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= chunks.len() || first_err.lock().unwrap().is_some() {
-                    return;
-                }
-                let offset = i as u64 * CHUNK_SIZE;
-                let copied = match (store.locate(&chunks[i]), &mapped) {
-                    (None, _) => Err(store.missing(&chunks[i])),
-                    (Some(src), Some(map)) => {
-                        read_chunk_into(&src, map, offset, chunks[i].len, path)
-                    }
-                    (Some(src), None) => copy_chunk(&src, &out, offset, chunks[i].len),
-                };
-                if let Err(e) = copied {
-                    first_err.lock().unwrap().get_or_insert(e);
-                    return;
-                }
-                progress.advance(chunks[i].len);
-            });
-        }
-    });
-    match first_err.into_inner().unwrap() {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    parallel(
+        chunks.len(),
+        threads,
+        || (),
+        |_, i| {
+            let offset = i as u64 * CHUNK_SIZE;
+            match (store.locate(&chunks[i]), &mapped) {
+                (None, _) => Err(store.missing(&chunks[i])),
+                (Some(src), Some(map)) => read_chunk_into(&src, map, offset, chunks[i].len, path),
+                (Some(src), None) => copy_chunk(&src, &out, offset, chunks[i].len),
+            }?;
+            progress.advance(chunks[i].len);
+            Ok(())
+        },
+    )?;
+    Ok(())
 }
 
 /// Reads the chunk at `at` into `map` at `offset`.

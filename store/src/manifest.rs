@@ -16,6 +16,22 @@ pub struct ChunkRef {
     pub len: u64,
 }
 
+impl ChunkRef {
+    /// `Ok` when `bytes` are this chunk's, else [`StoreError::ChunkDamaged`] naming `path`,
+    /// where they were read.
+    pub fn check(&self, bytes: &[u8], path: impl Into<std::path::PathBuf>) -> Result<()> {
+        let actual = Digest::of(bytes);
+        if actual != self.digest || bytes.len() as u64 != self.len {
+            return Err(StoreError::ChunkDamaged {
+                path: path.into(),
+                actual,
+                len: bytes.len() as u64,
+            });
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
     pub format: String,

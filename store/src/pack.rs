@@ -66,8 +66,13 @@ impl Store {
         self.root().join(PACKS).join(pack)
     }
 
-    /// Whether `path` is on the store's filesystem, where [`Writer::adopt`] can take it by a
-    /// hard link.
+    /// Whether [`Writer::adopt`] can take the file at `path`: on the store's filesystem, with
+    /// no other name.
+    pub fn can_adopt(&self, path: &Path) -> bool {
+        self.same_filesystem(path) && has_one_name(path)
+    }
+
+    /// Whether `path` is on the store's filesystem, where a hard link can reach it.
     pub fn same_filesystem(&self, path: &Path) -> bool {
         match (fs::metadata(path), fs::metadata(self.root().join(PACKS))) {
             (Ok(a), Ok(b)) => a.dev() == b.dev(),
@@ -84,6 +89,13 @@ impl Store {
         fs::create_dir(&dir).map_err(io("cannot create", &dir))?;
         Ok(Stage { dir, _lock: lock })
     }
+}
+
+/// Whether the file at `path` has no other name. One with another (a pack's link, put back by
+/// a restore) shares its bytes with the store already: taking it in again would punch what a
+/// pointer names.
+fn has_one_name(path: &Path) -> bool {
+    fs::metadata(path).is_ok_and(|m| m.nlink() == 1)
 }
 
 /// A packed chunk's place, if its pointer and pack are there.
@@ -168,12 +180,11 @@ enum Slice {
 }
 
 impl Writer<'_> {
-    /// Takes the first `size` bytes of `path` (on the store's filesystem: see
-    /// [`Store::same_filesystem`]) into the store without copying them: a hard link into
-    /// `packs/`, a pointer for each slice the store lacks. The file itself is not changed;
-    /// once the caller has removed it, [`Adopted::reclaim`] frees the duplicates. On error
-    /// the pack and the pointers made so far stay for `gc` (another writer may already name
-    /// them).
+    /// Takes the first `size` bytes of `path` (see [`Store::can_adopt`]) into the store
+    /// without copying them: a hard link into `packs/`, a pointer for each slice the store
+    /// lacks. The file itself is not changed; once the caller has removed it,
+    /// [`Adopted::reclaim`] frees the duplicates. On error the pack and the pointers made so
+    /// far stay for `gc` (another writer may already name them).
     pub fn adopt(
         &self,
         path: &Path,
@@ -182,10 +193,7 @@ impl Writer<'_> {
         progress: &dyn Progress,
     ) -> Result<Adopted> {
         let store = self.store();
-        // A file with another name (a pack's link, put back by a restore) shares its bytes
-        // with the store already: taking it in again would punch what a pointer names.
-        let md = fs::metadata(path).map_err(io("cannot stat", path))?;
-        if md.nlink() != 1 {
+        if !has_one_name(path) {
             return Err(StoreError::Io {
                 what: "cannot take in a file with several names",
                 path: path.to_path_buf(),

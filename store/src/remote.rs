@@ -211,14 +211,7 @@ impl Remote {
                 // Checked and written on the blocking pool, `parallel` at once.
                 let store = local.clone();
                 let put = blocking(&self.label, move || {
-                    let actual = Digest::of(&bytes);
-                    if actual != c.digest || bytes.len() as u64 != c.len {
-                        return Err(StoreError::ChunkDamaged {
-                            path: path.into(),
-                            actual,
-                            len: bytes.len() as u64,
-                        });
-                    }
+                    c.check(&bytes, path)?;
                     crate::writer::store_chunk(&store, c.digest, &bytes)
                 })
                 .await?;

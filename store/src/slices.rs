@@ -1,6 +1,8 @@
-//! A file read slice by slice at fixed offsets on several threads: what a copy into the store
-//! ([`crate::dir`]) and an adoption ([`crate::pack`]) both do with each slice's bytes. The
-//! slices are read in place from a mapping of the file where it maps.
+//! Work over a file's slices on several threads: [`parallel`], the loop itself (each index
+//! once, in any order, stopping at the first error), and [`for_each_slice`], a file read slice
+//! by slice at fixed offsets through it: what a copy into the store ([`crate::dir`]) and an
+//! adoption ([`crate::pack`]) both do with each slice's bytes. The slices are read in place
+//! from a mapping of the file where it maps.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -12,53 +14,29 @@ use crate::error::{io, Result, StoreError};
 use crate::mapped::MappedIn;
 use crate::progress::Progress;
 
-/// Calls `each(offset, bytes)` for every `slice`-byte slice of the first `size` bytes of
-/// `file` (the last one shorter), on `threads` threads; the results in slice order. Stops at
-/// the first error, which it returns. `progress` advances by each slice's length.
-pub(crate) fn for_each_slice<T: Send>(
-    file: &File,
-    path: &Path,
-    size: u64,
-    slice: u64,
+/// Calls `each(&mut state, i)` for every `i` in `0..n` on up to `threads` threads, each with
+/// its own `state` from `init`; the results in index order. Stops at the first error, which it
+/// returns.
+pub(crate) fn parallel<S, T: Send>(
+    n: usize,
     threads: usize,
-    progress: &dyn Progress,
-    each: impl Fn(u64, &[u8]) -> Result<T> + Sync,
+    init: impl Fn() -> S + Sync,
+    each: impl Fn(&mut S, usize) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let n = size.div_ceil(slice) as usize;
-    // In place where the file maps (no copy into a buffer); read into one where it does not.
-    let mapped = (size > 0)
-        .then(|| MappedIn::new(file, size as usize).ok())
-        .flatten();
     let out: Mutex<Vec<Option<T>>> = Mutex::new((0..n).map(|_| None).collect());
     let next = AtomicUsize::new(0);
     let first_err: Mutex<Option<StoreError>> = Mutex::new(None);
     std::thread::scope(|s| {
         for _ in 0..threads.clamp(1, n.max(1)) {
             s.spawn(|| {
-                let mut buf = if mapped.is_some() {
-                    Vec::new()
-                } else {
-                    vec![0u8; slice as usize]
-                };
+                let mut state = init();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= n || first_err.lock().unwrap().is_some() {
                         return;
                     }
-                    let off = i as u64 * slice;
-                    let len = slice.min(size - off) as usize;
-                    let done = match &mapped {
-                        Some(map) => each(off, map.slice(off as usize, len)),
-                        None => file
-                            .read_exact_at(&mut buf[..len], off)
-                            .map_err(io("cannot read", path))
-                            .and_then(|()| each(off, &buf[..len])),
-                    };
-                    match done {
-                        Ok(t) => {
-                            out.lock().unwrap()[i] = Some(t);
-                            progress.advance(len as u64);
-                        }
+                    match each(&mut state, i) {
+                        Ok(t) => out.lock().unwrap()[i] = Some(t),
                         Err(e) => {
                             first_err.lock().unwrap().get_or_insert(e);
                             return;
@@ -75,6 +53,41 @@ pub(crate) fn for_each_slice<T: Send>(
         .into_inner()
         .unwrap()
         .into_iter()
-        .map(|t| t.expect("every slice done"))
+        .map(|t| t.expect("every index done"))
         .collect())
+}
+
+/// Calls `each(offset, bytes)` for every `slice`-byte slice of the first `size` bytes of
+/// `file` (the last one shorter), on `threads` threads; the results in slice order. Stops at
+/// the first error, which it returns. `progress` advances by each slice's length.
+pub(crate) fn for_each_slice<T: Send>(
+    file: &File,
+    path: &Path,
+    size: u64,
+    slice: u64,
+    threads: usize,
+    progress: &dyn Progress,
+    each: impl Fn(u64, &[u8]) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    // In place where the file maps (no copy into a buffer); read into one where it does not.
+    let mapped = (size > 0)
+        .then(|| MappedIn::new(file, size as usize).ok())
+        .flatten();
+    let buffer = || match mapped {
+        Some(_) => Vec::new(),
+        None => vec![0u8; slice as usize],
+    };
+    parallel(size.div_ceil(slice) as usize, threads, buffer, |buf, i| {
+        let off = i as u64 * slice;
+        let len = slice.min(size - off) as usize;
+        let done = match &mapped {
+            Some(map) => each(off, map.slice(off as usize, len)),
+            None => file
+                .read_exact_at(&mut buf[..len], off)
+                .map_err(io("cannot read", path))
+                .and_then(|()| each(off, &buf[..len])),
+        }?;
+        progress.advance(len as u64);
+        Ok(done)
+    })
 }

@@ -157,14 +157,7 @@ impl Store {
         let got =
             read_at_most(&f, &mut bytes, at.offset).map_err(io("cannot read chunk", &path))?;
         bytes.truncate(got);
-        let actual = Digest::of(&bytes);
-        if actual != chunk.digest || bytes.len() as u64 != chunk.len {
-            return Err(StoreError::ChunkDamaged {
-                path,
-                actual,
-                len: bytes.len() as u64,
-            });
-        }
+        chunk.check(&bytes, path)?;
         Ok(bytes)
     }
 
