@@ -19,6 +19,7 @@ fn opts() -> ImageOptions {
         compression: Compression::None,
         threads: 3,
         max_in_flight: 4,
+        align: 0,
     }
 }
 

@@ -257,6 +257,7 @@ fn staging_buffers_stay_within_the_limit() {
         compression: Compression::Zstd { level: 1 },
         threads: 2,
         max_in_flight: 4,
+        align: 0,
     };
     let total: u64 = 256 << 20;
     let mut writer = ImageWriter::create(&dir, None, opts).unwrap();

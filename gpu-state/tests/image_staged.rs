@@ -243,6 +243,7 @@ fn staged_throughput() {
         compression: Compression::None,
         threads,
         max_in_flight: threads + 4,
+        align: 0,
     };
     // Distinct chunks: one random chunk with a counter stamped into each copy.
     let pattern = Rng(5).bytes(chunk);
@@ -283,4 +284,67 @@ fn staged_throughput() {
         gb / out,
         gb / back
     );
+}
+
+/// Every `align`-byte slice of the image's data files, by content.
+fn slices(dir: &std::path::Path, m: &Manifest, align: usize) -> std::collections::HashSet<String> {
+    let mut out = std::collections::HashSet::new();
+    for f in &m.files {
+        let bytes = std::fs::read(dir.join(&f.name)).unwrap();
+        assert_eq!(bytes.len() as u64, f.size);
+        assert_eq!(
+            bytes.len() % align,
+            0,
+            "{} is {} bytes",
+            f.name,
+            bytes.len()
+        );
+        for s in bytes.chunks(align) {
+            out.insert(image_util::blake3_hex(s));
+        }
+    }
+    out
+}
+
+#[test]
+fn aligned_chunks_land_in_the_same_slices_whatever_worker_wrote_them() {
+    let root = tempfile::tempdir().unwrap();
+    let align = CHUNK;
+    let opts = ImageOptions {
+        chunk_size: 2 * CHUNK,
+        compression: Compression::None,
+        threads: 3,
+        max_in_flight: 4,
+        align: align as u64,
+    };
+    let mut rng = Rng(21);
+    let weights = vec![
+        alloc(0x7f00_1000_0000, rng.bytes(7 * CHUNK + 5)),
+        alloc(0x7f00_2000_0000, rng.bytes(17)),
+        alloc(0x7f00_3000_0000, rng.bytes(5 * CHUNK / 2)),
+    ];
+    let first = write_image(&root.path().join("1"), None, opts, &weights);
+    // One allocation more, first: every later chunk is written at another place.
+    let mut second_allocs = vec![alloc(0x7f00_0000_0000, rng.bytes(3 * CHUNK + 1))];
+    second_allocs.extend(weights.iter().map(|a| alloc(a.va, a.data.clone())));
+    let second = write_image(&root.path().join("2"), None, opts, &second_allocs);
+    for m in [&first, &second] {
+        for a in &m.allocations {
+            for c in &a.chunks {
+                if let gpu_state::image::Location::Data { offset, .. } = c.at {
+                    assert_eq!(offset % align as u64, 0, "chunk at {offset}");
+                }
+            }
+        }
+    }
+    let (old, new) = (
+        slices(&root.path().join("1"), &first, align),
+        slices(&root.path().join("2"), &second, align),
+    );
+    let missing = old.difference(&new).count();
+    assert_eq!(missing, 0, "{missing} of {} slices stored again", old.len());
+    let reader = ImageReader::open(&root.path().join("2")).unwrap();
+    for a in &second_allocs {
+        assert_eq!(image_util::read_back(&reader, a.va, None).unwrap(), a.data);
+    }
 }

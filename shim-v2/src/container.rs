@@ -384,7 +384,12 @@ impl Container {
             let config = cfg.bundle.join("config.json");
             let mut spec = gpucr_cdi::read_oci_spec(&config).map_err(hook_spec::spec_error)?;
             let cdi = host::inject_cdi_devices(&mut spec)?;
-            hook = hook_spec::inject_at_create(&cfg.id, &cfg.bundle, &mut spec)?;
+            // By reference, the hook's chunks start on the store's slices (they dedup).
+            let align = match store.mode {
+                crate::by_reference::Mode::Inline => 0,
+                _ => gpucr_store::dir::CHUNK_SIZE,
+            };
+            hook = hook_spec::inject_at_create(&cfg.id, &cfg.bundle, &mut spec, align)?;
             if !cdi.is_empty() || hook {
                 gpucr_cdi::write_json_atomic(&config, &spec).map_err(hook_spec::spec_error)?;
             }

@@ -80,6 +80,12 @@ pub struct ImageOptions {
     /// memory bound is `max_in_flight × chunk_size`, plus `threads × chunk_size` of
     /// compression output buffers when compressing.
     pub max_in_flight: usize,
+    /// When not 0: each stored chunk of a staged data file starts at a multiple of this
+    /// many bytes (the gap is a hole), and the file's size is one too. A store that cuts the
+    /// file into slices of this size then sees each chunk's bytes in the same slices
+    /// wherever the worker that wrote it put it, so an unchanged chunk dedups
+    /// (`GPUCR_HOOK_ALIGN_MIB`, set by the shim for checkpoints by reference).
+    pub align: u64,
 }
 
 impl Default for ImageOptions {
@@ -94,6 +100,7 @@ impl Default for ImageOptions {
             },
             threads,
             max_in_flight: 2 * threads,
+            align: 0,
         }
     }
 }

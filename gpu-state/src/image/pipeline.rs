@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
@@ -19,6 +20,7 @@ use super::direct::{DirectMap, DIRECT_ALIGN};
 use super::layer::ParentChunk;
 use super::manifest::{ChunkKey, Codec, Compression, ContentHash, DataFile, GpuHash, Location};
 use super::staging::{StagingBuf, StagingPool};
+use super::ImageOptions;
 
 /// One filled chunk: in a staging buffer, or already in place in the direct file.
 pub(crate) struct Job {
@@ -59,6 +61,8 @@ pub(crate) struct Done {
 
 struct Shared {
     compression: Compression,
+    /// Stored chunks start at multiples of this (0: appended end to end).
+    align: u64,
     /// Keys stored in the parent chain, with the image that stores each.
     parent: HashMap<ChunkKey, ParentChunk>,
     /// Keys stored in this image: `None` while the claiming worker is still writing.
@@ -78,13 +82,14 @@ pub(crate) struct Pipeline {
 impl Pipeline {
     pub fn start(
         dir: &Path,
-        threads: usize,
+        opts: &ImageOptions,
         pool: Arc<StagingPool>,
-        compression: Compression,
         parent: HashMap<ChunkKey, ParentChunk>,
     ) -> std::io::Result<Pipeline> {
+        let threads = opts.threads;
         let shared = Arc::new(Shared {
-            compression,
+            compression: opts.compression,
+            align: opts.align,
             parent,
             stored: Mutex::new(HashMap::new()),
             error: Mutex::new(None),
@@ -229,6 +234,13 @@ impl Worker {
                 size: self.pos,
             });
         }
+        // Aligned: the last chunk's slice reads as it does anywhere else (its tail, zeros).
+        if self.shared.align > 0 && !self.pos.is_multiple_of(self.shared.align) {
+            self.pos = self.pos.next_multiple_of(self.shared.align);
+            if let Err(e) = self.file.set_len(self.pos) {
+                return Err(format!("{}: {e}", self.path.display()));
+            }
+        }
         self.file
             .flush()
             .and_then(|()| self.file.sync_all())
@@ -352,8 +364,11 @@ impl Worker {
         } else {
             data
         };
+        if self.shared.align > 0 {
+            self.pos = self.pos.next_multiple_of(self.shared.align);
+        }
         self.file
-            .write_all(bytes)
+            .write_all_at(bytes, self.pos)
             .map_err(|e| format!("{}: {e}", self.path.display()))?;
         let location = Location::Data {
             file: self.index,

@@ -248,7 +248,7 @@ impl ImageWriter {
         // Pinned at the first staged chunk: a direct copy-out may never need it.
         let pool = StagingPool::new_deferred(opts.max_in_flight, opts.chunk_size, pin)?;
         let temp = create_temp_dir(dir)?;
-        let pipeline = Pipeline::start(&temp, opts.threads, pool, opts.compression, parent_hashes)
+        let pipeline = Pipeline::start(&temp, &opts, pool, parent_hashes)
             .map_err(|e| ImageError::io(&temp, e));
         let pipeline = match pipeline {
             Ok(p) => p,

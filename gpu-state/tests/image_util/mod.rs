@@ -40,6 +40,7 @@ pub fn small_opts() -> ImageOptions {
         compression: Compression::Zstd { level: 3 },
         threads: 3,
         max_in_flight: 4,
+        align: 0,
     }
 }
 

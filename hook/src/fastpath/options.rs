@@ -96,6 +96,9 @@ pub const ENV_SNAPSHOT_HEADROOM_MIB: &str = "GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB";
 pub const ENV_COPYIN_HELPERS: &str = "GPUCR_HOOK_COPYIN_HELPERS";
 pub const ENV_HELPER: &str = "GPUCR_HOOK_HELPER";
 pub const ENV_HELPER_SHARE: &str = "GPUCR_HOOK_HELPER_SHARE";
+/// Stored chunks start at multiples of this many MiB (the store's slice: the shim sets it for
+/// checkpoints by reference, see [`ImageOptions::align`]); unset or 0: end to end.
+pub const ENV_ALIGN_MIB: &str = "GPUCR_HOOK_ALIGN_MIB";
 
 /// Hook defaults: 16 MiB chunks (few calls per GB, and 32 buffers in each 512 MiB
 /// staging pool: with 16 of 32 MiB the 12 readers and 4 copies in flight held every
@@ -138,6 +141,7 @@ impl FastPathOptions {
     /// every chunk on the CPU after copying it), `GPUCR_HOOK_KEEP` (`1`; `0`: device
     /// memory is plain, never exported, and a leave-running checkpoint copies it back),
     /// `GPUCR_HOOK_SNAPSHOT` (`1`; `0`: the memory is written while frozen),
+    /// `GPUCR_HOOK_ALIGN_MIB` (`0`; chunks start at multiples of it),
     /// `GPUCR_HOOK_SNAPSHOT_HEADROOM_MIB` (1024), `GPUCR_HOOK_MAP_READS` (`0`; `huge`, `tmpfs`:
     /// see [`MapReads`]).
     pub fn from_env_with(
@@ -174,6 +178,19 @@ impl FastPathOptions {
             });
         }
         let chunk_size = chunk_mib << 20;
+        let align = match get(ENV_ALIGN_MIB) {
+            None => 0,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n <= 1024 => n << 20,
+                _ => {
+                    return Err(OptionsError {
+                        var: ENV_ALIGN_MIB,
+                        value: v,
+                        reason: "expected 0 to 1024 MiB",
+                    })
+                }
+            },
+        };
         let staging = number(ENV_STAGING_MIB, DEFAULT_STAGING_MIB)? << 20;
         let threads = number(ENV_THREADS, cpus.clamp(1, 16))?.min(256);
         let streams = number(ENV_STREAMS, DEFAULT_STREAMS)?.min(64);
@@ -247,6 +264,7 @@ impl FastPathOptions {
                 threads,
                 // At least one buffer per stream plus one to hand to the workers.
                 max_in_flight: (staging / chunk_size).max(streams + 1),
+                align,
             },
             freeze_timeout: Duration::from_secs(30),
             pid: Some(std::process::id()),
@@ -338,6 +356,10 @@ mod tests {
         assert_eq!((d.copy_in_helpers, d.helper_share), (0, None));
         let h = FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "50")])).unwrap();
         assert_eq!(h.helper_share, Some(0.5));
+        assert_eq!(d.image.align, 0);
+        let a = FastPathOptions::from_env_with(env(&[(ENV_ALIGN_MIB, "8")])).unwrap();
+        assert_eq!(a.image.align, 8 << 20);
+        assert!(FastPathOptions::from_env_with(env(&[(ENV_ALIGN_MIB, "x")])).is_err());
         assert!(FastPathOptions::from_env_with(env(&[(ENV_HELPER_SHARE, "150")])).is_err());
         assert_eq!(d.map_reads, MapReads::Off);
         for (v, want) in [

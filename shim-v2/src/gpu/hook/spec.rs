@@ -210,8 +210,10 @@ fn make_socket_dir(dir: &Path, spec: &Value) -> Result<()> {
 static NO_LIBRARY_LOGGED: Once = Once::new();
 
 /// Create: injects the hook into the bundle's spec (the caller writes it) when [`decide`]
-/// says so. Returns whether it did.
-pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value) -> Result<bool> {
+/// says so. Returns whether it did. `align` (bytes, 0 for none): where the hook starts each
+/// stored chunk of its images, the store's slice for a container checkpointed by
+/// reference, so unchanged memory dedups whatever order the hook wrote it in.
+pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value, align: u64) -> Result<bool> {
     let lib = hook_lib();
     match decide(spec, &lib, lib.is_file())? {
         Decision::Inject => {}
@@ -230,7 +232,16 @@ pub fn inject_at_create(id: &str, bundle: &Path, spec: &mut Value) -> Result<boo
     }
     make_socket_dir(&socket_dir(bundle), spec)?;
     inject(spec, &lib, &socket_dir(bundle));
-    tracing::info!(id, lib = %lib.display(), "hook injected");
+    if align > 0 {
+        if let Some(Value::Array(env)) = spec.pointer_mut("/process/env") {
+            set_env(
+                env,
+                gpucr_hook::fastpath::ENV_ALIGN_MIB,
+                &(align >> 20).max(1).to_string(),
+            );
+        }
+    }
+    tracing::info!(id, lib = %lib.display(), align, "hook injected");
     Ok(true)
 }
 
@@ -401,15 +412,17 @@ mod tests {
         // SAFETY (test): only this test reads HOOK_LIB_ENV.
         std::env::set_var(HOOK_LIB_ENV, bundle.path().join("absent.so"));
         let mut spec = gpucr_cdi::read_oci_spec(&config).unwrap();
-        assert!(!inject_at_create("c", bundle.path(), &mut spec).unwrap());
+        assert!(!inject_at_create("c", bundle.path(), &mut spec, 0).unwrap());
         assert!(!injected(&spec));
         assert!(inject_at_restore(bundle.path()).is_err());
         let lib = bundle.path().join("libgpucr_hook.so");
         std::fs::write(&lib, b"\x7fELF").unwrap();
         std::env::set_var(HOOK_LIB_ENV, &lib);
         if nix::unistd::geteuid().is_root() {
-            assert!(inject_at_create("c", bundle.path(), &mut spec).unwrap());
+            assert!(inject_at_create("c", bundle.path(), &mut spec, 8 << 20).unwrap());
             assert!(injected(&spec));
+            let env = spec.pointer("/process/env").unwrap().to_string();
+            assert!(env.contains("GPUCR_HOOK_ALIGN_MIB=8"), "{env}");
             assert!(socket_dir(bundle.path()).is_dir());
         }
         std::env::remove_var(HOOK_LIB_ENV);
