@@ -20,7 +20,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use gpucr_store::{dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Stage, Store};
+use gpucr_store::{
+    dir, DirRef, IngestOptions, LogProgress, RefMode, Remote, Stage, Store, TakenAhead,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -82,13 +84,56 @@ pub fn stage_for_hook(id: &str, image: &Path, cfg: &StoreConfig) -> Option<Stage
     }
 }
 
-/// Gives a sealed image's large files to the store (mode `local` or `shared`). The image
-/// stays self-contained when this fails before its reference is written; the error says
-/// what failed, for the checkpoint's.
+/// The hook's finished images being taken into the store while the checkpoint goes on (the
+/// driver's lock, CRIU's dump and the give-back take about as long as hashing 16 GiB):
+/// [`give_to_store`] waits for it and uses what it took.
+pub struct Ahead(tokio::task::JoinHandle<gpucr_store::Result<TakenAhead>>);
+
+/// Starts taking the files of `stage` (the hook's copy-out is done: they are final) into the
+/// store, on half the node's threads: CRIU's dump runs beside it, and BLAKE3 over 17 GB in
+/// the GPU host's /dev/shm took 1.03 s on 8 threads and 1.42 s on 16 (b3sum, 2026-12-04).
+pub fn take_ahead(id: &str, stage: &Stage, cfg: &StoreConfig) -> Ahead {
+    let (root, store_at, min) = (stage.path().to_path_buf(), cfg.dir.clone(), cfg.min_bytes);
+    let progress = LogProgress::new(id, format!("ahead into the store {}", cfg.dir.display()));
+    let threads = (threads() / 2).max(1);
+    Ahead(tokio::task::spawn_blocking(move || {
+        let store = Store::open(&store_at)?;
+        gpucr_store::take_ahead(&store, &root, min, threads, &progress)
+    }))
+}
+
+impl Ahead {
+    /// What was taken; nothing (the ingest does it all) when taking failed.
+    async fn taken(self, id: &str) -> TakenAhead {
+        let started = Instant::now();
+        match self.0.await {
+            Ok(Ok(t)) => {
+                tracing::info!(%id, files = t.len(), bytes = t.bytes(), new = t.new_bytes(),
+                    waited_ms = started.elapsed().as_millis() as u64,
+                    "the hook's images were taken into the store during the dump");
+                t
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(%id, "taking the hook's images in ahead: {e}; the ingest \
+                    takes them");
+                TakenAhead::default()
+            }
+            Err(e) => {
+                tracing::warn!(%id, "taking the hook's images in ahead: {e}");
+                TakenAhead::default()
+            }
+        }
+    }
+}
+
+/// Gives a sealed image's large files to the store (mode `local` or `shared`), with what
+/// `ahead` took of them already. The image stays self-contained when this fails before its
+/// reference is written; the error says what failed, for the checkpoint's.
 pub async fn give_to_store(
     id: &str,
     image: &Path,
     cfg: &StoreConfig,
+    ahead: Option<Ahead>,
 ) -> std::result::Result<(), String> {
     let mode = cfg.mode;
     let ref_mode = match mode {
@@ -108,6 +153,10 @@ pub async fn give_to_store(
         }
         (Mode::Shared, Some(at)) => Some(Remote::open(at).map_err(|e| e.to_string())?),
         _ => None,
+    };
+    let taken = match ahead {
+        Some(a) => a.taken(id).await,
+        None => TakenAhead::default(),
     };
     let started = Instant::now();
     let name = format!(
@@ -130,7 +179,7 @@ pub async fn give_to_store(
     let progress = LogProgress::new(id, format!("into the store {}", cfg.dir.display()));
     let (store, ingested) = crate::gpu::blocking("store", move || {
         let store = Store::open(&store_at)?;
-        let ingested = dir::ingest_with(&store, &at, &name2, &opts, &progress)?;
+        let ingested = dir::ingest_ahead(&store, &at, &name2, &opts, &progress, taken)?;
         Ok::<_, gpucr_store::StoreError>((store, ingested))
     })
     .await

@@ -221,7 +221,7 @@ impl Container {
             std::fs::create_dir_all(d).ctx(|| format!("creating {}", d.display()))?;
         }
         // By reference, the hook writes onto the store's filesystem: its bytes are written once.
-        let _stage = (self.hook && self.gpu.quiescer == gpu::Quiescer::Shim)
+        let stage = (self.hook && self.gpu.quiescer == gpu::Quiescer::Shim)
             .then(|| by_reference::stage_for_hook(&self.id, image, &self.store))
             .flatten();
         let opts = CheckpointOpts {
@@ -250,6 +250,16 @@ impl Container {
             }
         };
         held.locked_before = locked_before;
+        // The hook's images are final (not a snapshot's, written after the thaw): the store
+        // takes them in while CRIU dumps.
+        let ahead = stage
+            .as_ref()
+            .filter(|_| {
+                held.hooked
+                    .as_ref()
+                    .is_some_and(HookCheckpoint::images_complete)
+            })
+            .map(|stage| by_reference::take_ahead(&self.id, stage, &self.store));
         // CRIU's CUDA plugin (loaded whenever it is installed) leaves alone what the shim
         // quiesced: the driver path's processes and the hook's.
         let marker = gpu::shim_quiesced_value(&held.quiesced_pids());
@@ -362,7 +372,8 @@ impl Container {
         let mut written = written.await;
         if written.is_ok() {
             // Its large files into the store (mode local or shared), the image sealed first.
-            if let Err(msg) = by_reference::give_to_store(&self.id, image, &self.store).await {
+            if let Err(msg) = by_reference::give_to_store(&self.id, image, &self.store, ahead).await
+            {
                 tracing::error!(id = %self.id, "checkpoint failed: {msg}");
                 written = Err(Error::Checkpoint {
                     id: self.id.clone(),

@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::ahead::TakenAhead;
 use crate::digest::Digest;
 use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
@@ -157,6 +158,19 @@ pub fn ingest_with(
     opts: &IngestOptions,
     progress: &dyn Progress,
 ) -> Result<Ingested> {
+    ingest_ahead(store, dir, name, opts, progress, TakenAhead::default())
+}
+
+/// [`ingest_with`], using what [`crate::take_ahead`] took of these files already (a file
+/// changed since refuses the ingest, the directory unchanged).
+pub fn ingest_ahead(
+    store: &Store,
+    dir: &Path,
+    name: &str,
+    opts: &IngestOptions,
+    progress: &dyn Progress,
+    mut ahead: TakenAhead,
+) -> Result<Ingested> {
     if dir.join(REF_FILE).exists() {
         return Err(StoreError::BadManifest {
             path: dir.join(REF_FILE),
@@ -199,8 +213,15 @@ pub fn ingest_with(
     let mut chunks = Vec::with_capacity(files.iter().map(FileRef::chunks).sum());
     let mut adopted = Vec::new();
     progress.start(files.iter().map(|f| f.size).sum());
+    let mut early_bytes = 0;
     let put = large.iter().try_for_each(|l| {
-        if opts.adopt && store.can_adopt(&l.real) {
+        let md = fs::metadata(&l.real).map_err(io("cannot stat", &l.real))?;
+        if let Some(a) = ahead.take(store, &l.real, &md, l.file.size)? {
+            progress.advance(l.file.size);
+            early_bytes += a.new_bytes;
+            chunks.extend_from_slice(&a.chunks);
+            adopted.push(a);
+        } else if opts.adopt && store.can_adopt(&l.real) {
             let a = writer.adopt(&l.real, l.file.size, opts.threads, progress)?;
             chunks.extend_from_slice(&a.chunks);
             adopted.push(a);
@@ -211,7 +232,7 @@ pub fn ingest_with(
     });
     progress.finish();
     put?;
-    let written_bytes = writer.written_bytes();
+    let written_bytes = writer.written_bytes() + early_bytes;
     let adopted_bytes = adopted.iter().map(|a| a.new_bytes).sum();
     // What `gpucr ls` shows beside the sizes: the mode and where the bytes are.
     let meta = serde_json::json!({

@@ -54,6 +54,13 @@ pub enum StoreError {
         actual: Digest,
         len: u64,
     },
+    #[error(
+        "{} changed after the store took it in ahead of its checkpoint's ingest: something \
+         other than the hook wrote to the hook's images; the checkpoint is refused (take it \
+         again)",
+        path.display()
+    )]
+    ChangedAfterTaken { path: PathBuf },
     #[error("shared store {location}: {what}: {source}")]
     Remote {
         what: &'static str,

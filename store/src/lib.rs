@@ -25,6 +25,7 @@
 //! - [`events`]: the node's log of checkpoints and restores, which every shim appends to and
 //!   `gpucr events` reads (here so that both use one format).
 
+pub mod ahead;
 pub mod digest;
 pub mod dir;
 pub mod error;
@@ -42,6 +43,7 @@ pub mod usage;
 pub mod validate;
 pub mod writer;
 
+pub use ahead::{take_ahead, TakenAhead};
 pub use digest::Digest;
 pub use dir::{DirRef, IngestOptions, Ingested, Materialized, RefMode};
 pub use error::{Result, StoreError};

@@ -138,9 +138,21 @@ pub struct Adopted {
     pub new_bytes: u64,
     pack: PathBuf,
     duplicates: Vec<(u64, u64)>,
+    /// The pointers this adoption published.
+    fresh: Vec<Digest>,
 }
 
 impl Adopted {
+    /// Takes back what this adoption published: its pointers and its pack (the file's bytes
+    /// are no longer those it hashed). A writer that found one of the pointers meanwhile
+    /// finds it missing at its restore, as after a damaged chunk.
+    pub(crate) fn withdraw(&self, store: &Store) {
+        for d in &self.fresh {
+            let _ = fs::remove_file(store.pointer_path(d));
+        }
+        let _ = fs::remove_file(&self.pack);
+    }
+
     /// Frees the pack's duplicate slices (the store holds their bytes elsewhere), or the whole
     /// pack when every slice was one. Call it only after the adopted file's other names are
     /// removed: the punched ranges read as zeros. Best effort: a filesystem that cannot punch
@@ -247,10 +259,14 @@ impl Writer<'_> {
             new_bytes,
             pack,
             duplicates: Vec::new(),
+            fresh: Vec::new(),
         };
         for s in slices {
             match s {
-                Slice::New(c) => adopted.chunks.push(c),
+                Slice::New(c) => {
+                    adopted.chunks.push(c);
+                    adopted.fresh.push(c.digest);
+                }
                 Slice::Duplicate(c, offset) => {
                     adopted.chunks.push(c);
                     adopted.duplicates.push((offset, c.len));

@@ -23,6 +23,9 @@
 #                 the GPU's device nodes in ContainerConfig.devices; a ctr leg
 #   llm-driver, train-driver   the same with io.gpucr.hook=off from the pod's annotations
 #                 (the driver path), no ctr leg
+# GPUCR_CRI_STORE=local|shared: checkpoints by reference (issue 22): containerd's environment
+# gets GPUCR_STORE=$DATA/store (tmpfs) and GPUCR_STORE_MODE (shared: GPUCR_STORE_SHARED=
+# $DATA/shared too), so kubelet's archive holds the reference, not the GPU bytes (archive_mib).
 # GPUCR_CRI_DRY=1: no GPU (a CPU machine): the host's containerd 2.x (tests/containerd2.sh),
 # runc and CRIU, a shell workload writing the same kind of steps, the drop-in file imported
 # from the repo instead of installed; checks the flow and the script.
@@ -228,9 +231,20 @@ import os
 if os.path.isdir("/usr/local/nvidia"): a += ["--mount", "type=bind,src=/usr/local/nvidia,dst=/usr/local/nvidia,options=rbind:ro"]
 print(json.dumps(a))' "${GPU_DEVICES[@]}")
 DEVICES_JSON=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "${GPU_DEVICES[@]}")
+STORE_MODE=${GPUCR_CRI_STORE:-}
+if [ -n "$STORE_MODE" ]; then
+  rm -rf "$DATA/store" "$DATA/shared"
+  mkdir -p "$DATA/shared"
+  log "checkpoints by reference: mode $STORE_MODE, store $DATA/store"
+fi
 python3 - "$DATA/plan.json" <<EOF
 import json, os, sys
 dry = "$DRY" == "1"
+store_env = {}
+if "$STORE_MODE":
+    store_env = {"GPUCR_STORE": "$DATA/store", "GPUCR_STORE_MODE": "$STORE_MODE"}
+    if "$STORE_MODE" == "shared":
+        store_env["GPUCR_STORE_SHARED"] = "$DATA/shared"
 only = "$ONLY".split()
 scenarios = []
 def add(name, **kw):
@@ -272,7 +286,7 @@ plan = {
     "out": "$OUT",
     "imports": ["$IMPORTS"],
     "cdi_spec_dirs": [] if dry else ["$DATA/cdi"],
-    "env": {} if dry else {"GPUCR_CDI_SPEC_DIRS": "$DATA/cdi"},
+    "env": dict(store_env, **({} if dry else {"GPUCR_CDI_SPEC_DIRS": "$DATA/cdi"})),
     "checkpointctl": "$CHECKPOINTCTL" or None,
     "images": [{"name": "gpucr/workload", "tag": "1", "layer": "$DATA/layer.tar",
                 "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}],
