@@ -128,23 +128,16 @@ pub fn take_ahead(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dir::{ingest_ahead, materialize, IngestOptions, RefMode, CHUNK_SIZE};
+    use crate::dir::tests::pattern as bytes;
+    use crate::dir::{ingest_ahead, materialize, IngestOptions, CHUNK_SIZE};
     use crate::progress::NoProgress;
 
     fn opts() -> IngestOptions {
         IngestOptions {
-            min_size: 1 << 20,
-            mode: RefMode::Local,
-            shared: None,
             threads: 2,
             adopt: true,
+            ..crate::dir::tests::opts()
         }
-    }
-
-    fn bytes(len: usize, seed: u8) -> Vec<u8> {
-        (0..len as u64)
-            .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ seed)
-            .collect()
     }
 
     /// A checkpoint directory whose `gpu-hook.1.data` links to a finished file in a stage.

@@ -542,10 +542,10 @@ fn hostname() -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn opts() -> IngestOptions {
+    pub(crate) fn opts() -> IngestOptions {
         IngestOptions {
             min_size: 1 << 20,
             mode: RefMode::Local,
@@ -556,7 +556,7 @@ mod tests {
     }
 
     /// Bytes that do not repeat at any 8 MiB stride (no slice equals another).
-    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
         (0..len as u64)
             .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8 ^ seed)
             .collect()
