@@ -161,7 +161,9 @@ mod tests {
         let ahead = take_ahead(&store, stage.path(), 1 << 20, 2, &NoProgress).unwrap();
         assert_eq!((ahead.len(), ahead.bytes()), (1, data.len() as u64));
         assert_eq!(ahead.new_bytes(), data.len() as u64);
-        let got = ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, ahead).unwrap();
+        let (got, reclaim) =
+            ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, ahead).unwrap();
+        reclaim.run();
         assert_eq!(got.chunks, 3);
         assert_eq!(
             (got.written_bytes, got.adopted_bytes),

@@ -45,7 +45,7 @@ pub mod writer;
 
 pub use ahead::{take_ahead, TakenAhead};
 pub use digest::Digest;
-pub use dir::{DirRef, IngestOptions, Ingested, Materialized, RefMode};
+pub use dir::{DirRef, IngestOptions, Ingested, Materialized, Reclaim, RefMode};
 pub use error::{Result, StoreError};
 pub use gc::{GcReport, Retention};
 pub use manifest::{ChunkRef, Manifest};

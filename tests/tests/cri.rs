@@ -296,6 +296,8 @@ fn a_checkpoint_by_reference_goes_through_kubelets_archive() {
     let mut node = CriNode::start_with_env(&[Handler::gpucr()], env);
     let (_, archive) = kubelet_flow(&mut node, "gpucr", 0);
     assert_by_reference(&archive, store.path());
+    // checkpointctl reads it, but for the process memory (in the store, not the archive).
+    cri_node::assert_checkpointctl_inspects(&archive);
 }
 
 /// A RuntimeClass's own store (issue 22): the `gpucr-local` handler's options say

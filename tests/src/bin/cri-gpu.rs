@@ -678,8 +678,10 @@ fn ctr_pid(
 
 fn checkpointctl(ctl: &Path, archive: &Path, dir: &Path, name: &str) -> Result<(f64, String)> {
     let t = Instant::now();
+    let flags = gpucr_tests::cri_node::checkpointctl_flags(archive);
     let out = Cmd::new(ctl)
-        .args(["inspect", "--all"])
+        .arg("inspect")
+        .args(flags)
         .arg(archive)
         .timeout(Duration::from_secs(300))
         .run_ok()?;
@@ -688,10 +690,14 @@ fn checkpointctl(ctl: &Path, archive: &Path, dir: &Path, name: &str) -> Result<(
     std::fs::write(&path, &out.stdout)?;
     if !out.stdout.contains("CRIU dump statistics") {
         return Err(format!(
-            "checkpointctl inspect --all shows no dump statistics ({})",
+            "checkpointctl inspect {} shows no dump statistics ({})",
+            flags.join(" "),
             path.display()
         )
         .into());
     }
-    Ok((secs, format!("output={}", path.display())))
+    Ok((
+        secs,
+        format!("output={} flags={}", path.display(), flags.join(",")),
+    ))
 }
