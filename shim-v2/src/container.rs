@@ -324,7 +324,6 @@ impl Container {
         let mut store_stage = None;
         let hook;
         if let Some(image) = &cfg.checkpoint {
-            let host_gpus = gpu::HostGpus::gather();
             // A by-reference image's files back from the store, before anything reads it.
             if image.is_dir() {
                 store_stage = crate::by_reference::resolve(&cfg.id, image, &store).await?;
@@ -360,7 +359,7 @@ impl Container {
                 // The device needs room for what the driver restores and what the hooks
                 // copy back in.
                 let hook_bytes = records.hook.as_ref().map_or(0, HookRecord::device_bytes);
-                gpu::check_restore(record, hook_bytes, host_gpus.get().await).map_err(refuse)?;
+                gpu::check_restore(record, hook_bytes).map_err(refuse)?;
             }
             // CRIU restores the hook's bind mounts by destination: they must be in the spec
             // (with this host's sources) before the host plan checks every recorded mount.

@@ -228,34 +228,13 @@ pub fn load_record(image: &Path) -> Result<Option<GpuCheckpointRecord>> {
 
 /// Refuses a restore this host cannot take (driver branch, GPU model, free memory for
 /// what the driver restores and the `hook_bytes` the hooks copy back in).
-pub fn check_restore(
-    record: &GpuCheckpointRecord,
-    hook_bytes: u64,
-    current: Inventory,
-) -> Result<()> {
+pub fn check_restore(record: &GpuCheckpointRecord, hook_bytes: u64) -> Result<()> {
     let Some(recorded) = &record.inventory else {
         return Ok(());
     };
+    let current = Inventory::gather();
     let need = Some(record.device_memory_estimate_bytes() + hook_bytes).filter(|b| *b > 0);
     check_compatibility(recorded, &current, need).map_err(|e| GpuError::Incompatible(e).into())
-}
-
-/// This host's GPUs (NVML), gathered on a blocking thread from now: loading NVML takes a
-/// while (about 0.2 s on the GPU host), so a restore starts it before the store puts the
-/// image back and [`check_restore`] waits for it there.
-pub struct HostGpus(tokio::task::JoinHandle<Inventory>);
-
-impl HostGpus {
-    pub fn gather() -> HostGpus {
-        HostGpus(tokio::task::spawn_blocking(Inventory::gather))
-    }
-
-    pub async fn get(self) -> Inventory {
-        match self.0.await {
-            Ok(i) => i,
-            Err(_) => Inventory::gather_procfs(),
-        }
-    }
 }
 
 /// The environment that hands GPU pairs to gpucr's CRIU plugin (`GPUCR_GPU_MAP`, and
