@@ -106,20 +106,20 @@ impl Ahead {
     /// What was taken; nothing (the ingest does it all) when taking failed.
     async fn taken(self, id: &str) -> TakenAhead {
         let started = Instant::now();
-        match self.0.await {
-            Ok(Ok(t)) => {
+        let taken = match self.0.await {
+            Ok(taken) => taken.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match taken {
+            Ok(t) => {
                 tracing::info!(%id, files = t.len(), bytes = t.bytes(), new = t.new_bytes(),
                     waited_ms = started.elapsed().as_millis() as u64,
                     "the hook's images were taken into the store during the dump");
                 t
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 tracing::warn!(%id, "taking the hook's images in ahead: {e}; the ingest \
                     takes them");
-                TakenAhead::default()
-            }
-            Err(e) => {
-                tracing::warn!(%id, "taking the hook's images in ahead: {e}");
                 TakenAhead::default()
             }
         }

@@ -393,7 +393,7 @@ fn fill_files(
     let (mut at, mut linked, mut placed) = (0, 0, 0);
     // (temporary name, final name) of every file, and the copies to make.
     let mut names: Vec<(PathBuf, PathBuf)> = Vec::new();
-    let mut copies: Vec<Copy> = Vec::new();
+    let mut copies: Vec<Refill> = Vec::new();
     let made = r.files.iter().try_for_each(|f| {
         let chunks = &manifest.chunks[at..at + f.chunks()];
         at += f.chunks();
@@ -424,7 +424,7 @@ fn fill_files(
                 linked += f.size;
                 progress.advance(f.size);
             }
-            None => copies.push(Copy::create(tmp, f.size, chunks)?),
+            None => copies.push(Refill::create(tmp, f.size, chunks)?),
         }
         Ok::<_, StoreError>(())
     });
@@ -442,7 +442,7 @@ fn fill_files(
 }
 
 /// One file being written back from its chunks.
-struct Copy<'m> {
+struct Refill<'m> {
     path: PathBuf,
     out: File,
     /// A shared mapping to read the chunks into, where the file maps.
@@ -450,8 +450,8 @@ struct Copy<'m> {
     chunks: &'m [ChunkRef],
 }
 
-impl<'m> Copy<'m> {
-    fn create(path: PathBuf, size: u64, chunks: &'m [ChunkRef]) -> Result<Copy<'m>> {
+impl<'m> Refill<'m> {
+    fn create(path: PathBuf, size: u64, chunks: &'m [ChunkRef]) -> Result<Refill<'m>> {
         let out = File::options()
             .read(true)
             .write(true)
@@ -463,7 +463,7 @@ impl<'m> Copy<'m> {
         let mapped = (size > 0)
             .then(|| MappedOut::new(&out, size as usize).ok())
             .flatten();
-        Ok(Copy {
+        Ok(Refill {
             path,
             out,
             mapped,
@@ -475,7 +475,12 @@ impl<'m> Copy<'m> {
 /// Writes every chunk of `copies` at its offset on `threads` threads, chunk `i` of every file
 /// before chunk `i + 1` of any: read into the file's shared mapping (in parallel even on
 /// tmpfs, see `mapped`), or, where it cannot be mapped and populated, by `copy_file_range`.
-fn fill(store: &Store, copies: &[Copy<'_>], threads: usize, progress: &dyn Progress) -> Result<()> {
+fn fill(
+    store: &Store,
+    copies: &[Refill<'_>],
+    threads: usize,
+    progress: &dyn Progress,
+) -> Result<()> {
     let most = copies.iter().map(|c| c.chunks.len()).max().unwrap_or(0);
     let jobs: Vec<(usize, usize)> = (0..most)
         .flat_map(|i| {
