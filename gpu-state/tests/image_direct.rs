@@ -269,6 +269,12 @@ fn mapped_chunks_are_the_image_bytes_and_checked_in_place() {
         matches!(err, ImageError::CorruptChunk { ref place, .. } if place.file == file && place.file_offset == offset),
         "{err}"
     );
+    // The whole-image check reads it in place on tmpfs, and finds the same byte.
+    let err = reader.verify(2).unwrap_err();
+    assert!(
+        matches!(err, ImageError::CorruptChunk { ref place, .. } if place.file == file && place.file_offset == offset),
+        "{err}"
+    );
 
     // Compressed or on a disk: refused.
     // (Per chunk: random bytes stay raw even in a zstd image, repeated ones shrink.)

