@@ -240,7 +240,7 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<Option
                     bytes = r.bytes(), "pulling the checkpoint's chunks from the shared store");
                 let progress = LogProgress::new(id, format!("pulling from {}", remote.label()));
                 let pulled = remote
-                    .pull_with(&store, &r.manifest, PARALLEL, &progress)
+                    .pull_files_with(&store, &r.manifest, &r.file_sizes(), PARALLEL, &progress)
                     .await;
                 crate::metrics::note_store(id, |b| b.pulled += progress.done());
                 let t = pulled.map_err(|e| {

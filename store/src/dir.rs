@@ -79,6 +79,12 @@ impl DirRef {
         self.files.iter().map(|f| f.size).sum()
     }
 
+    /// Its files' sizes, in order: how the store manifest's chunks divide among them (for
+    /// [`crate::Remote::pull_files_with`]).
+    pub fn file_sizes(&self) -> Vec<u64> {
+        self.files.iter().map(|f| f.size).collect()
+    }
+
     /// Reads `dir`'s reference; `Ok(None)` when the directory is self-contained.
     pub fn read(dir: &Path) -> Result<Option<DirRef>> {
         let path = dir.join(REF_FILE);

@@ -66,6 +66,28 @@ impl Store {
         self.root().join(PACKS).join(pack)
     }
 
+    /// A new pack's name (no file yet).
+    pub(crate) fn new_pack_name() -> String {
+        format!("{}{PACK_SUFFIX}", unique_name())
+    }
+
+    /// Publishes, create-if-absent, that `chunk` is its length of bytes of pack `pack` from
+    /// `offset` (bytes the caller has checked against the digest); `false` when the store
+    /// already had a pointer for it.
+    pub(crate) fn point(&self, chunk: &ChunkRef, pack: &str, offset: u64) -> Result<bool> {
+        let pointer = Pointer {
+            pack: pack.to_string(),
+            offset,
+            len: chunk.len,
+        };
+        let tmp = self.tmp_path();
+        write_synced(
+            &tmp,
+            &serde_json::to_vec(&pointer).expect("pointer serialises"),
+        )?;
+        publish(&tmp, &self.pointer_path(&chunk.digest))
+    }
+
     /// Whether [`Writer::adopt`] can take the file at `path`: on the store's filesystem, with
     /// no other name.
     pub fn can_adopt(&self, path: &Path) -> bool {
@@ -213,7 +235,7 @@ impl Writer<'_> {
             });
         }
         store.raise_for_packs()?;
-        let name = format!("{}{PACK_SUFFIX}", unique_name());
+        let name = Store::new_pack_name();
         let pack = store.pack_path(&name);
         fs::hard_link(path, &pack).map_err(io("cannot link into the store's packs", path))?;
         let file = File::open(&pack).map_err(io("cannot open", &pack))?;
@@ -233,18 +255,8 @@ impl Writer<'_> {
                 if store.has_chunk(&chunk) {
                     return Ok(Slice::Duplicate(chunk, offset));
                 }
-                let pointer = Pointer {
-                    pack: name.clone(),
-                    offset,
-                    len: chunk.len,
-                };
-                let tmp = store.tmp_path();
-                write_synced(
-                    &tmp,
-                    &serde_json::to_vec(&pointer).expect("pointer serialises"),
-                )?;
                 // Another writer may have stored the same bytes since: then ours are spare.
-                if publish(&tmp, &store.pointer_path(&chunk.digest))? {
+                if store.point(&chunk, &name, offset)? {
                     new_bytes.fetch_add(chunk.len, Ordering::Relaxed);
                     Ok(Slice::New(chunk))
                 } else {

@@ -3,6 +3,10 @@
 //! objects are laid out as a local store's files (`chunks/ab/<digest>`,
 //! `manifests/<name>.json`), written create-if-absent, the manifest last.
 
+use std::collections::HashSet;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use futures::{StreamExt, TryStreamExt};
@@ -10,10 +14,13 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use crate::digest::Digest;
+use crate::dir::CHUNK_SIZE;
 use crate::error::{Result, StoreError};
 use crate::manifest::{check_name, ChunkRef, Manifest};
+use crate::mapped::MappedOut;
 use crate::progress::{NoProgress, Progress};
 use crate::store::{publish, write_synced, Store};
+use crate::writer::Writer;
 
 /// Chunks in flight at once when none is given.
 pub const DEFAULT_PARALLEL: usize = 16;
@@ -23,6 +30,9 @@ pub struct Remote {
     objects: Arc<dyn ObjectStore>,
     /// What the operator configured (a path or URL), for messages.
     label: String,
+    /// A shared store on a mounted filesystem: its directory, whose chunk files a pull reads
+    /// straight into place (`object_store` would read each into a buffer of its own first).
+    dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -38,6 +48,7 @@ impl Remote {
         Remote {
             objects,
             label: label.into(),
+            dir: None,
         }
     }
 
@@ -50,7 +61,10 @@ impl Remote {
         ))?;
         let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
             .map_err(|e| remote_err(dir.display().to_string(), "cannot open", e))?;
-        Ok(Remote::new(Arc::new(fs), dir.display().to_string()))
+        Ok(Remote {
+            dir: Some(dir.to_path_buf()),
+            ..Remote::new(Arc::new(fs), dir.display().to_string())
+        })
     }
 
     /// An S3-compatible bucket: `s3://BUCKET[/PREFIX]`. Endpoint, region and credentials come
@@ -160,6 +174,23 @@ impl Remote {
         parallel: usize,
         progress: &dyn Progress,
     ) -> Result<Transfer> {
+        self.pull_files_with(local, name, &[], parallel, progress)
+            .await
+    }
+
+    /// [`Self::pull_with`] for a manifest that lists `files` (their sizes, in order, each cut
+    /// into [`CHUNK_SIZE`] slices: a [`crate::DirRef`]'s). A file none of whose chunks this
+    /// node has is pulled into a new pack laid out as the file, so a restore links it in place
+    /// instead of copying it again ([`crate::dir::materialize_placed`]); the other chunks
+    /// become chunk files.
+    pub async fn pull_files_with(
+        &self,
+        local: &Store,
+        name: &str,
+        files: &[u64],
+        parallel: usize,
+        progress: &dyn Progress,
+    ) -> Result<Transfer> {
         check_name(name)?;
         let location = manifest_object(name);
         let body = self.get(&location).await.map_err(|e| match e {
@@ -178,9 +209,16 @@ impl Remote {
         let missing = local.missing_chunks(&manifest);
         t.chunks_present = unique(&manifest).len() as u64 - missing.len() as u64;
         progress.start(missing.iter().map(|c| c.len).sum());
-        let fetched = self
-            .fetch_chunks(local, missing, parallel, progress, &mut t)
-            .await;
+        let fetched = async {
+            // Held until every chunk is in: gc cannot take what no manifest names yet.
+            let writer = local.writer()?;
+            let (packs, rest) = plan_packs(local, &manifest, files, missing)?;
+            self.fill_packs(&writer, packs, parallel, progress, &mut t)
+                .await?;
+            self.fetch_chunks(&writer, rest, parallel, progress, &mut t)
+                .await
+        }
+        .await;
         progress.finish();
         fetched?;
         local.require_chunks(&manifest)?;
@@ -193,17 +231,16 @@ impl Remote {
         Ok(t)
     }
 
-    /// Gets `missing` chunks, checks each against its digest and puts it in `local`.
+    /// Gets `missing` chunks, checks each against its digest and puts it in the writer's store.
     async fn fetch_chunks(
         &self,
-        local: &Store,
+        writer: &Writer<'_>,
         missing: Vec<ChunkRef>,
         parallel: usize,
         progress: &dyn Progress,
         t: &mut Transfer,
     ) -> Result<()> {
-        // Held until every chunk is in: gc cannot take what is not yet named by the manifest.
-        let writer = local.writer()?;
+        let local = writer.store();
         let mut gets = futures::stream::iter(missing)
             .map(|c| async move {
                 let bytes = self.get(&chunk_object(&c.digest)).await?;
@@ -225,6 +262,117 @@ impl Remote {
             t.chunks += 1;
             t.bytes += c.len;
             progress.advance(c.len);
+        }
+        Ok(())
+    }
+
+    /// Fills every pack of `packs`, chunk by chunk, each checked against its digest and then
+    /// published (a pointer), `parallel` at once. From a filesystem the chunk files are read
+    /// straight into the pack and checked there; from object storage each body is checked and
+    /// copied in. On error the packs and the pointers made so far stay for `gc`, like an
+    /// adoption's.
+    async fn fill_packs(
+        &self,
+        writer: &Writer<'_>,
+        packs: Vec<PackFill>,
+        parallel: usize,
+        progress: &dyn Progress,
+        t: &mut Transfer,
+    ) -> Result<()> {
+        let jobs: Vec<(usize, usize)> = packs
+            .iter()
+            .enumerate()
+            .flat_map(|(p, pack)| (0..pack.chunks.len()).map(move |i| (p, i)))
+            .collect();
+        let local = writer.store();
+        let new_bytes = AtomicU64::new(0);
+        // One chunk: `fill` puts its checked bytes at their place in the pack; then its pointer.
+        let place = |(p, i): (usize, usize), fill: &dyn Fn(&ChunkRef, &mut [u8]) -> Result<()>| {
+            let pack = &packs[p];
+            let c = pack.chunks[i];
+            let offset = i as u64 * CHUNK_SIZE;
+            // SAFETY: each job runs once, and one pack's chunk ranges are disjoint.
+            let dst = unsafe { pack.map.range(offset as usize, c.len as usize) }.map_err(
+                crate::error::io("cannot allocate room (is the store full?) in", &pack.path),
+            )?;
+            fill(&c, dst)?;
+            if local.point(&c, &pack.name, offset)? {
+                new_bytes.fetch_add(c.len, Ordering::Relaxed);
+            }
+            progress.advance(c.len);
+            Ok::<_, StoreError>(())
+        };
+        match &self.dir {
+            Some(root) => {
+                let from_file = |c: &ChunkRef, dst: &mut [u8]| {
+                    let hex = c.digest.to_hex();
+                    let path = root.join("chunks").join(&hex[..2]).join(&hex);
+                    let f = File::open(&path)
+                        .map_err(crate::error::io("cannot open the shared chunk", &path))?;
+                    if f.metadata().map(|m| m.len()).ok() != Some(c.len) {
+                        // `check` names what is there: its digest and length.
+                        let all = std::fs::read(&path)
+                            .map_err(crate::error::io("cannot read the shared chunk", &path))?;
+                        return c.check(&all, path);
+                    }
+                    f.read_exact_at(dst, 0)
+                        .map_err(crate::error::io("cannot read the shared chunk", &path))?;
+                    c.check(dst, path)
+                };
+                on_threads(|| {
+                    crate::slices::parallel(
+                        jobs.len(),
+                        parallel,
+                        || (),
+                        |_, j| place(jobs[j], &from_file),
+                    )
+                })?;
+            }
+            None => {
+                // Bodies come `parallel` at a time; each batch is checked and copied on as
+                // many threads.
+                let packs = &packs;
+                let mut gets = futures::stream::iter(jobs.iter().copied())
+                    .map(|(p, i)| async move {
+                        let object = chunk_object(&packs[p].chunks[i].digest);
+                        let bytes = self.get(&object).await?;
+                        Ok::<_, StoreError>(((p, i), bytes, self.objects_label(&object)))
+                    })
+                    .buffer_unordered(parallel.max(1));
+                let mut batch = Vec::with_capacity(parallel.max(1));
+                loop {
+                    let next = gets.try_next().await?;
+                    let last = next.is_none();
+                    batch.extend(next);
+                    if batch.len() < parallel.max(1) && !last {
+                        continue;
+                    }
+                    on_threads(|| {
+                        crate::slices::parallel(
+                            batch.len(),
+                            parallel,
+                            || (),
+                            |_, k| {
+                                let (job, bytes, label) = &batch[k];
+                                place(*job, &|c, dst| {
+                                    c.check(bytes, label.as_str())?;
+                                    dst.copy_from_slice(bytes);
+                                    Ok(())
+                                })
+                            },
+                        )
+                    })?;
+                    batch.clear();
+                    if last {
+                        break;
+                    }
+                }
+            }
+        }
+        writer.count_written(new_bytes.into_inner());
+        for pack in &packs {
+            t.chunks += pack.chunks.len() as u64;
+            t.bytes += pack.chunks.iter().map(|c| c.len).sum::<u64>();
         }
         Ok(())
     }
@@ -275,6 +423,98 @@ impl Remote {
 
     fn objects_label(&self, location: &ObjectPath) -> String {
         format!("{}/{location}", self.label)
+    }
+}
+
+/// A file a pull writes as a new pack: its chunks at their offsets in the file.
+struct PackFill {
+    name: String,
+    path: std::path::PathBuf,
+    map: MappedOut,
+    chunks: Vec<ChunkRef>,
+}
+
+/// Which files of `manifest` (sizes `files`) a pull writes as new packs, and the chunks of
+/// `missing` left to fetch one by one. A file qualifies when every chunk of it is missing, at
+/// its [`CHUNK_SIZE`] offset, and named nowhere earlier in the manifest (one place per
+/// pointer); a kernel that cannot map the pack (no `MADV_POPULATE_WRITE`) leaves it to the
+/// chunk files.
+fn plan_packs(
+    local: &Store,
+    manifest: &Manifest,
+    files: &[u64],
+    missing: Vec<ChunkRef>,
+) -> Result<(Vec<PackFill>, Vec<ChunkRef>)> {
+    let counts: Vec<usize> = files
+        .iter()
+        .map(|s| s.div_ceil(CHUNK_SIZE) as usize)
+        .collect();
+    if files.is_empty() || counts.iter().sum::<usize>() != manifest.chunks.len() {
+        return Ok((Vec::new(), missing));
+    }
+    let wanted: HashSet<Digest> = missing.iter().map(|c| c.digest).collect();
+    let (mut seen, mut packed) = (HashSet::new(), HashSet::new());
+    let mut packs = Vec::new();
+    let mut at = 0;
+    for (&size, &n) in files.iter().zip(&counts) {
+        let chunks = &manifest.chunks[at..at + n];
+        at += n;
+        let mut own = HashSet::new();
+        let fresh = n > 0
+            && chunks.iter().enumerate().all(|(i, c)| {
+                c.len == (size - i as u64 * CHUNK_SIZE).min(CHUNK_SIZE)
+                    && wanted.contains(&c.digest)
+                    && !seen.contains(&c.digest)
+                    && own.insert(c.digest)
+            });
+        seen.extend(chunks.iter().map(|c| c.digest));
+        if !fresh {
+            continue;
+        }
+        if packs.is_empty() {
+            local.raise_for_packs()?;
+        }
+        let name = Store::new_pack_name();
+        let path = local.pack_path(&name);
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(crate::error::io("cannot create", &path))?;
+        file.set_len(size)
+            .map_err(crate::error::io("cannot size", &path))?;
+        match MappedOut::new(&file, size as usize) {
+            Ok(map) => {
+                packed.extend(own);
+                packs.push(PackFill {
+                    name,
+                    path,
+                    map,
+                    chunks: chunks.to_vec(),
+                });
+            }
+            Err(_) => {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+    let rest = missing
+        .into_iter()
+        .filter(|c| !packed.contains(&c.digest))
+        .collect();
+    Ok((packs, rest))
+}
+
+/// Runs blocking `work` from async code; on a multi-threaded runtime the worker first hands
+/// its other tasks on.
+fn on_threads<T>(work: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
     }
 }
 
@@ -371,6 +611,88 @@ mod tests {
         assert!(progress.finished.into_inner());
         assert_eq!(node_b.manifest("ctr/1").unwrap(), m);
         node_b.require_chunks(&m).unwrap();
+    }
+
+    /// Node A's checkpoint directory by reference, pushed; node B's store, empty.
+    fn pushed(remote: &Remote, root: &std::path::Path) -> (Store, std::path::PathBuf, Vec<u8>) {
+        use crate::dir::tests::{opts, pattern};
+        let node_a = Store::open(root.join("a")).unwrap();
+        let image = root.join("image");
+        std::fs::create_dir(&image).unwrap();
+        let data = pattern(2 * CHUNK_SIZE as usize + 5, 3);
+        std::fs::write(image.join("gpu-hook.7.data-000.bin"), &data).unwrap();
+        // CRIU's pages repeat the data's second slice: that chunk is named twice.
+        let pages = [
+            &data[CHUNK_SIZE as usize..2 * CHUNK_SIZE as usize],
+            b"pages",
+        ]
+        .concat();
+        std::fs::write(image.join("pages-1.img"), &pages).unwrap();
+        crate::dir::ingest(&node_a, &image, "c/1", &opts()).unwrap();
+        rt().block_on(remote.push(&node_a, "c/1", 4)).unwrap();
+        (Store::open(root.join("b")).unwrap(), image, data)
+    }
+
+    #[test]
+    fn a_pull_by_files_writes_a_pack_a_restore_links_in_place() {
+        for memory in [false, true] {
+            let root = tempfile::tempdir().unwrap();
+            let remote = if memory {
+                Remote::new(Arc::new(object_store::memory::InMemory::new()), "memory")
+            } else {
+                Remote::filesystem(root.path().join("shared")).unwrap()
+            };
+            let (node_b, image, data) = pushed(&remote, root.path());
+            let r = crate::DirRef::read(&image).unwrap().unwrap();
+            let progress = crate::progress::Counting::default();
+            let t = rt()
+                .block_on(remote.pull_files_with(
+                    &node_b,
+                    &r.manifest,
+                    &r.file_sizes(),
+                    3,
+                    &progress,
+                ))
+                .unwrap();
+            // Three chunks of the data file, and the pages' own last one.
+            assert_eq!((t.chunks, t.chunks_present), (4, 0), "memory: {memory}");
+            assert_eq!(progress.done.into_inner(), t.bytes);
+            let m = node_b.manifest(&r.manifest).unwrap();
+            node_b.require_chunks(&m).unwrap();
+            assert!(node_b.validate(2).unwrap().is_clean());
+            // The data file came as one pack: put back into a stage, it is linked, not copied.
+            let stage = node_b.stage().unwrap();
+            let placed = stage.path().join("7/data-000.bin");
+            let place = |name: &str| (name == "gpu-hook.7.data-000.bin").then(|| placed.clone());
+            let put = crate::dir::materialize_placed(&node_b, &image, 2, &NoProgress, &place)
+                .unwrap()
+                .unwrap();
+            assert_eq!(put.linked_bytes, data.len() as u64, "memory: {memory}");
+            assert_eq!(std::fs::read(&placed).unwrap(), data);
+        }
+    }
+
+    #[test]
+    fn a_damaged_chunk_pulled_into_a_pack_is_refused_and_nothing_is_published() {
+        let root = tempfile::tempdir().unwrap();
+        let remote = Remote::filesystem(root.path().join("shared")).unwrap();
+        let (node_b, image, data) = pushed(&remote, root.path());
+        let r = crate::DirRef::read(&image).unwrap().unwrap();
+        let first = Digest::of(&data[..CHUNK_SIZE as usize]).to_hex();
+        let path = root
+            .path()
+            .join(format!("shared/chunks/{}/{first}", &first[..2]));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[100] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        let err = rt()
+            .block_on(remote.pull_files_with(&node_b, &r.manifest, &r.file_sizes(), 2, &NoProgress))
+            .unwrap_err();
+        assert!(
+            matches!(&err, StoreError::ChunkDamaged { path: p, .. } if *p == path),
+            "{err}"
+        );
+        assert!(node_b.manifest(&r.manifest).is_err());
     }
 
     #[test]

@@ -283,9 +283,10 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
             if let Some(from) = from {
                 let remote = Remote::open(&from)?;
                 let bar = bar::for_terminal(&format!("pulling {}", r.manifest));
-                let t = runtime().block_on(remote.pull_with(
+                let t = runtime().block_on(remote.pull_files_with(
                     &store,
                     &r.manifest,
+                    &r.file_sizes(),
                     DEFAULT_PARALLEL,
                     bar.as_ref(),
                 ))?;
