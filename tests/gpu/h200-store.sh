@@ -59,8 +59,8 @@ WIPE
   cat "$OUT/$name/results.txt" >>"$SUM" 2>/dev/null
   # The shim's own lines: what went to the store and what came back, with their times.
   if [ -f "$OUT/$name/containerd.log.gz" ]; then
-    zcat "$OUT/$name/containerd.log.gz" | grep -E 'checkpoint by reference|during the dump|back from the store|pulled from|"checkpointed"|msg="checkpointed|restored' \
-      | sed 's/^/  /' | tail -20 >>"$SUM"
+    zcat "$OUT/$name/containerd.log.gz" | grep -E 'checkpoint by reference|during the dump|back from the store|pulled from|verified|planned restore|"checkpointed"|msg="checkpointed|restored' \
+      | grep -v 'percent=' | sed 's/^/  /' | tail -40 >>"$SUM"
   fi
   # Allocated bytes: packs are sparse where their duplicate slices were punched.
   echo "  store after: $(du -s -B1 "$store" 2>/dev/null | cut -f1) bytes allocated, $(find "$store/chunks" -type f 2>/dev/null | wc -l) chunks and pointers, $(find "$store/packs" -type f 2>/dev/null | wc -l) packs" >>"$SUM"
