@@ -174,6 +174,8 @@ pub async fn give_to_store(
         shared: shared_at.clone().filter(|_| mode == Mode::Shared),
         threads: threads(),
         adopt: true,
+        // CRIU's pages shift between dumps: cut by content, they dedup all the same.
+        cut_by_content: dir::criu_pages,
     };
     let store_at = cfg.dir.clone();
     let progress = LogProgress::new(id, format!("into the store {}", cfg.dir.display()));
@@ -240,7 +242,7 @@ pub async fn resolve(id: &str, image: &Path, cfg: &StoreConfig) -> Result<Option
                     bytes = r.bytes(), "pulling the checkpoint's chunks from the shared store");
                 let progress = LogProgress::new(id, format!("pulling from {}", remote.label()));
                 let pulled = remote
-                    .pull_files_with(&store, &r.manifest, &r.file_sizes(), PARALLEL, &progress)
+                    .pull_files_with(&store, &r.manifest, &r.file_layout(), PARALLEL, &progress)
                     .await;
                 crate::metrics::note_store(id, |b| b.pulled += progress.done());
                 let t = pulled.map_err(|e| {

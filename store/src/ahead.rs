@@ -136,6 +136,7 @@ mod tests {
         IngestOptions {
             threads: 2,
             adopt: true,
+            cut_by_content: crate::dir::no_file,
             ..crate::dir::tests::opts()
         }
     }

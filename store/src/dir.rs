@@ -22,13 +22,15 @@ use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
 use crate::mapped::MappedOut;
 use crate::progress::{NoProgress, Progress};
-use crate::slices::{for_each_slice, parallel};
+use crate::slices::{for_each_range, parallel};
 use crate::store::{sync_dir, write_synced, Located, Store};
 
 /// The reference a by-reference checkpoint directory keeps in place of its large files.
 pub const REF_FILE: &str = "gpucr-store.json";
 pub const REF_FORMAT: &str = "gpucr-store-ref";
-pub const REF_VERSION: u32 = 1;
+pub const REF_VERSION: u32 = 2;
+/// The version written when no file is cut by content (what gpucr before version 2 reads).
+const REF_VERSION_FIXED: u32 = 1;
 /// The slice size: the checkpoint manifest's hash chunk (`shim-v2/src/manifest.rs`), so one
 /// chunk's digest is also that manifest's hash of the same bytes.
 pub const CHUNK_SIZE: u64 = 8 << 20;
@@ -65,12 +67,29 @@ pub struct DirRef {
 pub struct FileRef {
     pub name: String,
     pub size: u64,
+    /// How many chunks, when the file was cut by content ([`crate::cuts`]); else it is cut in
+    /// [`CHUNK_SIZE`] slices (reference version 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<usize>,
 }
 
 impl FileRef {
     fn chunks(&self) -> usize {
-        self.size.div_ceil(CHUNK_SIZE) as usize
+        self.chunks
+            .unwrap_or_else(|| self.size.div_ceil(CHUNK_SIZE) as usize)
     }
+}
+
+/// Where each of a file's chunks starts in it.
+pub(crate) fn offsets(chunks: &[ChunkRef]) -> Vec<u64> {
+    chunks
+        .iter()
+        .scan(0, |at, c| {
+            let here = *at;
+            *at += c.len;
+            Some(here)
+        })
+        .collect()
 }
 
 impl DirRef {
@@ -79,10 +98,10 @@ impl DirRef {
         self.files.iter().map(|f| f.size).sum()
     }
 
-    /// Its files' sizes, in order: how the store manifest's chunks divide among them (for
-    /// [`crate::Remote::pull_files_with`]).
-    pub fn file_sizes(&self) -> Vec<u64> {
-        self.files.iter().map(|f| f.size).collect()
+    /// Its files' sizes and chunk counts, in order: how the store manifest's chunks divide
+    /// among them (for [`crate::Remote::pull_files_with`]).
+    pub fn file_layout(&self) -> Vec<(u64, usize)> {
+        self.files.iter().map(|f| (f.size, f.chunks())).collect()
     }
 
     /// Reads `dir`'s reference; `Ok(None)` when the directory is self-contained.
@@ -124,6 +143,19 @@ pub struct IngestOptions {
     /// Take files on the store's filesystem in without copying them (packs, see
     /// [`crate::pack`]); else every file is copied into chunks.
     pub adopt: bool,
+    /// Files (by name) cut by content rather than in fixed slices: those whose bytes shift
+    /// between two checkpoints ([`crate::cuts`]; gpucr's shim: CRIU's pages).
+    pub cut_by_content: fn(&str) -> bool,
+}
+
+/// [`IngestOptions::cut_by_content`] for none.
+pub fn no_file(_: &str) -> bool {
+    false
+}
+
+/// [`IngestOptions::cut_by_content`] for CRIU's page images (`pages-<n>.img`).
+pub fn criu_pages(name: &str) -> bool {
+    name.starts_with("pages-") && name.ends_with(".img")
 }
 
 /// What [`ingest`] did.
@@ -223,6 +255,7 @@ pub fn ingest_ahead(
             let file = FileRef {
                 name: fname,
                 size: md.len(),
+                chunks: None,
             };
             large.push(Large { file, real, linked });
         } else if linked {
@@ -233,30 +266,49 @@ pub fn ingest_ahead(
         }
     }
     large.sort_by(|a, b| a.file.name.cmp(&b.file.name));
-    let files: Vec<FileRef> = large.iter().map(|l| l.file.clone()).collect();
     let writer = store.writer()?;
-    let mut chunks = Vec::with_capacity(files.iter().map(FileRef::chunks).sum());
+    let mut chunks = Vec::new();
     let mut adopted = Vec::new();
-    progress.start(files.iter().map(|f| f.size).sum());
+    progress.start(large.iter().map(|l| l.file.size).sum());
     let mut early_bytes = 0;
-    let put = large.iter().try_for_each(|l| {
+    let put = large.iter_mut().try_for_each(|l| {
         let md = fs::metadata(&l.real).map_err(io("cannot stat", &l.real))?;
+        let first = chunks.len();
         if let Some(a) = ahead.take(store, &l.real, &md, l.file.size)? {
             progress.advance(l.file.size);
             early_bytes += a.new_bytes;
             chunks.extend_from_slice(&a.chunks);
             adopted.push(a);
-        } else if opts.adopt && store.can_adopt(&l.real) {
-            let a = writer.adopt(&l.real, l.file.size, opts.threads, progress)?;
+            return Ok(());
+        }
+        let file = File::open(&l.real).map_err(io("cannot open", &l.real))?;
+        let cuts = if (opts.cut_by_content)(&l.file.name) {
+            let cuts = crate::cuts::by_content(&file, &l.real, l.file.size, opts.threads)?;
+            l.file.chunks = Some(cuts.len());
+            cuts
+        } else {
+            crate::slices::fixed(l.file.size, CHUNK_SIZE)
+        };
+        if opts.adopt && store.can_adopt(&l.real) {
+            let a = writer.adopt_cut(&l.real, &cuts, opts.threads, progress)?;
             chunks.extend_from_slice(&a.chunks);
             adopted.push(a);
         } else {
-            chunks.extend(put_file(&writer, &l.real, &l.file, opts.threads, progress)?);
+            chunks.extend(put_file(
+                &writer,
+                &file,
+                &l.real,
+                &cuts,
+                opts.threads,
+                progress,
+            )?);
         }
+        debug_assert_eq!(chunks.len() - first, l.file.chunks());
         Ok::<_, StoreError>(())
     });
     progress.finish();
     put?;
+    let files: Vec<FileRef> = large.iter().map(|l| l.file.clone()).collect();
     let written_bytes = writer.written_bytes() + early_bytes;
     let adopted_bytes = adopted.iter().map(|a| a.new_bytes).sum();
     // What `gpucr ls` shows beside the sizes: the mode and where the bytes are.
@@ -267,7 +319,11 @@ pub fn ingest_ahead(
     let manifest = writer.publish(name, chunks, meta)?;
     let dir_ref = DirRef {
         format: REF_FORMAT.into(),
-        version: REF_VERSION,
+        version: if files.iter().any(|f| f.chunks.is_some()) {
+            REF_VERSION
+        } else {
+            REF_VERSION_FIXED
+        },
         mode: opts.mode,
         store_id: store.id().to_string(),
         node: hostname(),
@@ -300,24 +356,19 @@ pub fn ingest_ahead(
     Ok((ingested, Reclaim(adopted)))
 }
 
-/// Hashes and puts `file`'s slices on `threads` threads; its chunk references in order.
+/// Hashes and puts the chunks `cuts` of `file` on `threads` threads; their references in
+/// order.
 fn put_file(
     writer: &crate::writer::Writer<'_>,
+    file: &File,
     path: &Path,
-    f: &FileRef,
+    cuts: &[(u64, u64)],
     threads: usize,
     progress: &dyn Progress,
 ) -> Result<Vec<ChunkRef>> {
-    let file = File::open(path).map_err(io("cannot open", path))?;
-    for_each_slice(
-        &file,
-        path,
-        f.size,
-        CHUNK_SIZE,
-        threads,
-        progress,
-        |_, bytes| Ok(writer.put_chunk_as(Digest::of(bytes), bytes)?.chunk),
-    )
+    for_each_range(file, path, cuts, threads, progress, |_, bytes| {
+        Ok(writer.put_chunk_as(Digest::of(bytes), bytes)?.chunk)
+    })
 }
 
 /// Puts `dir`'s referenced files back from `store` (each written under a temporary name and
@@ -454,6 +505,7 @@ struct Refill<'m> {
     /// A shared mapping to read the chunks into, where the file maps.
     mapped: Option<MappedOut>,
     chunks: &'m [ChunkRef],
+    offsets: Vec<u64>,
 }
 
 impl<'m> Refill<'m> {
@@ -474,6 +526,7 @@ impl<'m> Refill<'m> {
             out,
             mapped,
             chunks,
+            offsets: offsets(chunks),
         })
     }
 }
@@ -505,7 +558,7 @@ fn fill(
             let (n, i) = jobs[j];
             let c = &copies[n];
             let chunk = &c.chunks[i];
-            let offset = i as u64 * CHUNK_SIZE;
+            let offset = c.offsets[i];
             match (store.locate(chunk), &c.mapped) {
                 (None, _) => Err(store.missing(chunk)),
                 (Some(src), Some(map)) => read_chunk_into(&src, map, offset, chunk.len, &c.path),
@@ -522,9 +575,9 @@ fn fill(
 fn whole_pack(store: &Store, chunks: &[ChunkRef], size: u64) -> Option<PathBuf> {
     let packs = store.root().join(crate::store::PACKS);
     let mut pack: Option<PathBuf> = None;
-    for (i, c) in chunks.iter().enumerate() {
+    for (c, offset) in chunks.iter().zip(offsets(chunks)) {
         let at = store.locate(c)?;
-        if at.offset != i as u64 * CHUNK_SIZE || !at.path.starts_with(&packs) {
+        if at.offset != offset || !at.path.starts_with(&packs) {
             return None;
         }
         match &pack {
@@ -619,6 +672,7 @@ pub(crate) mod tests {
             shared: None,
             threads: 3,
             adopt: false,
+            cut_by_content: no_file,
         }
     }
 
@@ -685,6 +739,60 @@ pub(crate) mod tests {
             std::fs::read(second.path().join("pages-1.img")).unwrap(),
             bytes
         );
+    }
+
+    /// Bytes with no period (xorshift), like a process's pages.
+    pub(crate) fn noise(len: usize, mut x: u64) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn criu_pages_cut_by_content_dedup_after_a_shift() {
+        for adopt in [false, true] {
+            let root = tempfile::tempdir().unwrap();
+            let store = Store::open(root.path().join("store")).unwrap();
+            let opts = IngestOptions {
+                adopt,
+                cut_by_content: criu_pages,
+                ..opts()
+            };
+            let pages = noise(40 << 20, 5);
+            let first = root.path().join("one");
+            std::fs::create_dir(&first).unwrap();
+            std::fs::write(first.join("pages-1.img"), &pages).unwrap();
+            let a = ingest(&store, &first, "c/1", &opts).unwrap();
+            assert_eq!(a.written_bytes, 40 << 20);
+            let r = DirRef::read(&first).unwrap().unwrap();
+            assert_eq!((r.version, r.files[0].chunks), (2, Some(a.chunks)));
+            // A heap grown by three pages near the start shifts everything after it.
+            let shifted = [
+                &pages[..(1 << 20) + 123],
+                &[1u8; 3 * 4096],
+                &pages[(1 << 20) + 123..],
+            ]
+            .concat();
+            let second = root.path().join("two");
+            std::fs::create_dir(&second).unwrap();
+            std::fs::write(second.join("pages-1.img"), &shifted).unwrap();
+            let b = ingest(&store, &second, "c/2", &opts).unwrap();
+            assert!(
+                b.written_bytes < 10 << 20,
+                "adopt {adopt}: {} of {} bytes new",
+                b.written_bytes,
+                shifted.len()
+            );
+            materialize(&store, &second, 3).unwrap();
+            assert_eq!(std::fs::read(second.join("pages-1.img")).unwrap(), shifted);
+            materialize(&store, &first, 3).unwrap();
+            assert_eq!(std::fs::read(first.join("pages-1.img")).unwrap(), pages);
+        }
     }
 
     #[test]

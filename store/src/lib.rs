@@ -26,6 +26,7 @@
 //!   `gpucr events` reads (here so that both use one format).
 
 pub mod ahead;
+mod cuts;
 pub mod digest;
 pub mod dir;
 pub mod error;

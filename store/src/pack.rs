@@ -27,7 +27,7 @@ use crate::dir::CHUNK_SIZE;
 use crate::error::{io, Result, StoreError};
 use crate::manifest::ChunkRef;
 use crate::progress::Progress;
-use crate::slices::for_each_slice;
+use crate::slices::{fixed, for_each_range};
 use crate::store::{publish, unique_name, write_synced, Located, Store, PACKS};
 use crate::writer::Writer;
 
@@ -226,6 +226,18 @@ impl Writer<'_> {
         threads: usize,
         progress: &dyn Progress,
     ) -> Result<Adopted> {
+        self.adopt_cut(path, &fixed(size, CHUNK_SIZE), threads, progress)
+    }
+
+    /// [`Self::adopt`], the file cut at `cuts` (`(offset, len)`, adjacent from 0) rather than
+    /// in [`CHUNK_SIZE`] slices.
+    pub fn adopt_cut(
+        &self,
+        path: &Path,
+        cuts: &[(u64, u64)],
+        threads: usize,
+        progress: &dyn Progress,
+    ) -> Result<Adopted> {
         let store = self.store();
         if !has_one_name(path) {
             return Err(StoreError::Io {
@@ -240,30 +252,22 @@ impl Writer<'_> {
         fs::hard_link(path, &pack).map_err(io("cannot link into the store's packs", path))?;
         let file = File::open(&pack).map_err(io("cannot open", &pack))?;
         let new_bytes = AtomicU64::new(0);
-        let slices = for_each_slice(
-            &file,
-            path,
-            size,
-            CHUNK_SIZE,
-            threads,
-            progress,
-            |offset, bytes| {
-                let chunk = ChunkRef {
-                    digest: Digest::of(bytes),
-                    len: bytes.len() as u64,
-                };
-                if store.has_chunk(&chunk) {
-                    return Ok(Slice::Duplicate(chunk, offset));
-                }
-                // Another writer may have stored the same bytes since: then ours are spare.
-                if store.point(&chunk, &name, offset)? {
-                    new_bytes.fetch_add(chunk.len, Ordering::Relaxed);
-                    Ok(Slice::New(chunk))
-                } else {
-                    Ok(Slice::Duplicate(chunk, offset))
-                }
-            },
-        )?;
+        let slices = for_each_range(&file, path, cuts, threads, progress, |offset, bytes| {
+            let chunk = ChunkRef {
+                digest: Digest::of(bytes),
+                len: bytes.len() as u64,
+            };
+            if store.has_chunk(&chunk) {
+                return Ok(Slice::Duplicate(chunk, offset));
+            }
+            // Another writer may have stored the same bytes since: then ours are spare.
+            if store.point(&chunk, &name, offset)? {
+                new_bytes.fetch_add(chunk.len, Ordering::Relaxed);
+                Ok(Slice::New(chunk))
+            } else {
+                Ok(Slice::Duplicate(chunk, offset))
+            }
+        })?;
         let new_bytes = new_bytes.into_inner();
         self.count_written(new_bytes);
         let mut adopted = Adopted {

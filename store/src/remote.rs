@@ -14,7 +14,6 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
 
 use crate::digest::Digest;
-use crate::dir::CHUNK_SIZE;
 use crate::error::{Result, StoreError};
 use crate::manifest::{check_name, ChunkRef, Manifest};
 use crate::mapped::MappedOut;
@@ -178,8 +177,8 @@ impl Remote {
             .await
     }
 
-    /// [`Self::pull_with`] for a manifest that lists `files` (their sizes, in order, each cut
-    /// into [`CHUNK_SIZE`] slices: a [`crate::DirRef`]'s). A file none of whose chunks this
+    /// [`Self::pull_with`] for a manifest that lists `files` (each one's size and number of
+    /// chunks, in order: [`crate::DirRef::file_layout`]). A file none of whose chunks this
     /// node has is pulled into a new pack laid out as the file, so a restore links it in place
     /// instead of copying it again ([`crate::dir::materialize_placed`]); the other chunks
     /// become chunk files.
@@ -187,7 +186,7 @@ impl Remote {
         &self,
         local: &Store,
         name: &str,
-        files: &[u64],
+        files: &[(u64, usize)],
         parallel: usize,
         progress: &dyn Progress,
     ) -> Result<Transfer> {
@@ -290,7 +289,7 @@ impl Remote {
         let place = |(p, i): (usize, usize), fill: &dyn Fn(&ChunkRef, &mut [u8]) -> Result<()>| {
             let pack = &packs[p];
             let c = pack.chunks[i];
-            let offset = i as u64 * CHUNK_SIZE;
+            let offset = pack.offsets[i];
             // SAFETY: each job runs once, and one pack's chunk ranges are disjoint.
             let dst = unsafe { pack.map.range(offset as usize, c.len as usize) }.map_err(
                 crate::error::io("cannot allocate room (is the store full?) in", &pack.path),
@@ -432,40 +431,34 @@ struct PackFill {
     path: std::path::PathBuf,
     map: MappedOut,
     chunks: Vec<ChunkRef>,
+    offsets: Vec<u64>,
 }
 
 /// Which files of `manifest` (sizes `files`) a pull writes as new packs, and the chunks of
-/// `missing` left to fetch one by one. A file qualifies when every chunk of it is missing, at
-/// its [`CHUNK_SIZE`] offset, and named nowhere earlier in the manifest (one place per
-/// pointer); a kernel that cannot map the pack (no `MADV_POPULATE_WRITE`) leaves it to the
+/// `missing` left to fetch one by one. A file qualifies when every chunk of it is missing and
+/// named nowhere earlier in the manifest (one place per pointer); a kernel that cannot map the pack (no `MADV_POPULATE_WRITE`) leaves it to the
 /// chunk files.
 fn plan_packs(
     local: &Store,
     manifest: &Manifest,
-    files: &[u64],
+    files: &[(u64, usize)],
     missing: Vec<ChunkRef>,
 ) -> Result<(Vec<PackFill>, Vec<ChunkRef>)> {
-    let counts: Vec<usize> = files
-        .iter()
-        .map(|s| s.div_ceil(CHUNK_SIZE) as usize)
-        .collect();
-    if files.is_empty() || counts.iter().sum::<usize>() != manifest.chunks.len() {
+    if files.is_empty() || files.iter().map(|f| f.1).sum::<usize>() != manifest.chunks.len() {
         return Ok((Vec::new(), missing));
     }
     let wanted: HashSet<Digest> = missing.iter().map(|c| c.digest).collect();
     let (mut seen, mut packed) = (HashSet::new(), HashSet::new());
     let mut packs = Vec::new();
     let mut at = 0;
-    for (&size, &n) in files.iter().zip(&counts) {
+    for &(size, n) in files {
         let chunks = &manifest.chunks[at..at + n];
         at += n;
         let mut own = HashSet::new();
         let fresh = n > 0
-            && chunks.iter().enumerate().all(|(i, c)| {
-                c.len == (size - i as u64 * CHUNK_SIZE).min(CHUNK_SIZE)
-                    && wanted.contains(&c.digest)
-                    && !seen.contains(&c.digest)
-                    && own.insert(c.digest)
+            && chunks.iter().map(|c| c.len).sum::<u64>() == size
+            && chunks.iter().all(|c| {
+                wanted.contains(&c.digest) && !seen.contains(&c.digest) && own.insert(c.digest)
             });
         seen.extend(chunks.iter().map(|c| c.digest));
         if !fresh {
@@ -492,6 +485,7 @@ fn plan_packs(
                     path,
                     map,
                     chunks: chunks.to_vec(),
+                    offsets: crate::dir::offsets(chunks),
                 });
             }
             Err(_) => {
@@ -562,6 +556,7 @@ fn remote_err(location: String, what: &'static str, e: object_store::Error) -> S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dir::CHUNK_SIZE;
 
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()
@@ -649,7 +644,7 @@ mod tests {
                 .block_on(remote.pull_files_with(
                     &node_b,
                     &r.manifest,
-                    &r.file_sizes(),
+                    &r.file_layout(),
                     3,
                     &progress,
                 ))
@@ -686,7 +681,13 @@ mod tests {
         bytes[100] ^= 1;
         std::fs::write(&path, bytes).unwrap();
         let err = rt()
-            .block_on(remote.pull_files_with(&node_b, &r.manifest, &r.file_sizes(), 2, &NoProgress))
+            .block_on(remote.pull_files_with(
+                &node_b,
+                &r.manifest,
+                &r.file_layout(),
+                2,
+                &NoProgress,
+            ))
             .unwrap_err();
         assert!(
             matches!(&err, StoreError::ChunkDamaged { path: p, .. } if *p == path),

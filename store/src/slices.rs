@@ -1,6 +1,6 @@
 //! Work over a file's slices on several threads: [`parallel`], the loop itself (each index
-//! once, in any order, stopping at the first error), and [`for_each_slice`], a file read slice
-//! by slice at fixed offsets through it: what a copy into the store ([`crate::dir`]) and an
+//! once, in any order, stopping at the first error), and [`for_each_range`], a file read range
+//! by range through it: what a copy into the store ([`crate::dir`]) and an
 //! adoption ([`crate::pack`]) both do with each slice's bytes. The slices are read in place
 //! from a mapping of the file where it maps.
 
@@ -57,29 +57,38 @@ pub(crate) fn parallel<S, T: Send>(
         .collect())
 }
 
-/// Calls `each(offset, bytes)` for every `slice`-byte slice of the first `size` bytes of
-/// `file` (the last one shorter), on `threads` threads; the results in slice order. Stops at
-/// the first error, which it returns. `progress` advances by each slice's length.
-pub(crate) fn for_each_slice<T: Send>(
+/// `size` bytes cut every `slice` bytes: `(offset, len)`, the last one shorter.
+pub(crate) fn fixed(size: u64, slice: u64) -> Vec<(u64, u64)> {
+    (0..size.div_ceil(slice))
+        .map(|i| (i * slice, slice.min(size - i * slice)))
+        .collect()
+}
+
+/// Calls `each(offset, bytes)` for every `(offset, len)` range of `file` (in order and adjacent
+/// from 0: [`fixed`] slices or the cuts of [`crate::cuts`]), on `threads` threads; the results
+/// in range order. Stops at the first error, which it returns. `progress` advances by each
+/// range's length.
+pub(crate) fn for_each_range<T: Send>(
     file: &File,
     path: &Path,
-    size: u64,
-    slice: u64,
+    ranges: &[(u64, u64)],
     threads: usize,
     progress: &dyn Progress,
     each: impl Fn(u64, &[u8]) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
+    let size = ranges.last().map_or(0, |&(o, l)| o + l);
+    let longest = ranges.iter().map(|&(_, l)| l).max().unwrap_or(0);
     // In place where the file maps (no copy into a buffer); read into one where it does not.
     let mapped = (size > 0)
         .then(|| MappedIn::new(file, size as usize).ok())
         .flatten();
     let buffer = || match mapped {
         Some(_) => Vec::new(),
-        None => vec![0u8; slice as usize],
+        None => vec![0u8; longest as usize],
     };
-    parallel(size.div_ceil(slice) as usize, threads, buffer, |buf, i| {
-        let off = i as u64 * slice;
-        let len = slice.min(size - off) as usize;
+    parallel(ranges.len(), threads, buffer, |buf, i| {
+        let (off, len) = ranges[i];
+        let len = len as usize;
         let done = match &mapped {
             Some(map) => each(off, map.slice(off as usize, len)),
             None => file

@@ -286,7 +286,7 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 let t = runtime().block_on(remote.pull_files_with(
                     &store,
                     &r.manifest,
-                    &r.file_sizes(),
+                    &r.file_layout(),
                     DEFAULT_PARALLEL,
                     bar.as_ref(),
                 ))?;
@@ -315,6 +315,7 @@ fn run(cli: Cli) -> Result<ExitCode, StoreError> {
                 threads,
                 // Files on the store's filesystem go in by a link; they leave the directory anyway.
                 adopt: true,
+                cut_by_content: dir::criu_pages,
             };
             let bar = bar::for_terminal(&format!("importing {}", dir.display()));
             let got = dir::ingest_with(&store, &dir, &name, &opts, bar.as_ref())?;
