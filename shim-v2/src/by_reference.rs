@@ -154,10 +154,6 @@ pub async fn give_to_store(
         (Mode::Shared, Some(at)) => Some(Remote::open(at).map_err(|e| e.to_string())?),
         _ => None,
     };
-    let taken = match ahead {
-        Some(a) => a.taken(id).await,
-        None => TakenAhead::default(),
-    };
     let started = Instant::now();
     let name = format!(
         "{}/{}",
@@ -179,8 +175,14 @@ pub async fn give_to_store(
     };
     let store_at = cfg.dir.clone();
     let progress = LogProgress::new(id, format!("into the store {}", cfg.dir.display()));
+    let (runtime, id2) = (tokio::runtime::Handle::current(), id.to_string());
     let (store, ingested) = crate::gpu::blocking("store", move || {
         let store = Store::open(&store_at)?;
+        // CRIU's files go in first, while the hook's are still being taken in.
+        let taken = || match ahead {
+            Some(a) => runtime.block_on(a.taken(&id2)),
+            None => TakenAhead::default(),
+        };
         let ingested = dir::ingest_ahead(&store, &at, &name2, &opts, &progress, taken)?;
         Ok::<_, gpucr_store::StoreError>((store, ingested))
     })

@@ -163,7 +163,7 @@ mod tests {
         assert_eq!((ahead.len(), ahead.bytes()), (1, data.len() as u64));
         assert_eq!(ahead.new_bytes(), data.len() as u64);
         let (got, reclaim) =
-            ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, ahead).unwrap();
+            ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, || ahead).unwrap();
         reclaim.run();
         assert_eq!(got.chunks, 3);
         assert_eq!(
@@ -188,7 +188,8 @@ mod tests {
         let f = fs::OpenOptions::new().write(true).open(&file).unwrap();
         std::os::unix::fs::FileExt::write_all_at(&f, b"changed", 3).unwrap();
         drop(f);
-        let e = ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, ahead).unwrap_err();
+        let e =
+            ingest_ahead(&store, dir.path(), "c/1", &opts(), &NoProgress, || ahead).unwrap_err();
         assert!(matches!(e, StoreError::ChangedAfterTaken { .. }), "{e}");
         // Nothing changed in the directory, and the store names none of those bytes.
         assert!(dir.path().join("gpu-hook.1.data").exists());

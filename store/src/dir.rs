@@ -196,8 +196,7 @@ pub fn ingest_with(
     opts: &IngestOptions,
     progress: &dyn Progress,
 ) -> Result<Ingested> {
-    let (ingested, reclaim) =
-        ingest_ahead(store, dir, name, opts, progress, TakenAhead::default())?;
+    let (ingested, reclaim) = ingest_ahead(store, dir, name, opts, progress, TakenAhead::default)?;
     reclaim.run();
     Ok(ingested)
 }
@@ -219,14 +218,16 @@ impl Reclaim {
 
 /// [`ingest_with`], using what [`crate::take_ahead`] took of these files already (a file
 /// changed since refuses the ingest, the directory unchanged), leaving the duplicates' freeing
-/// to the caller.
+/// to the caller. `ahead` gives what was taken (it may wait for the taking to end): it is
+/// called once the files that are no links into a stage (CRIU's, never taken ahead) are in,
+/// so those go in while the taking finishes.
 pub fn ingest_ahead(
     store: &Store,
     dir: &Path,
     name: &str,
     opts: &IngestOptions,
     progress: &dyn Progress,
-    mut ahead: TakenAhead,
+    ahead: impl FnOnce() -> TakenAhead,
 ) -> Result<(Ingested, Reclaim)> {
     if dir.join(REF_FILE).exists() {
         return Err(StoreError::BadManifest {
@@ -267,14 +268,25 @@ pub fn ingest_ahead(
     }
     large.sort_by(|a, b| a.file.name.cmp(&b.file.name));
     let writer = store.writer()?;
-    let mut chunks = Vec::new();
+    // Each file's chunks, in the files' order whatever order they go in.
+    let mut per_file: Vec<Vec<ChunkRef>> = vec![Vec::new(); large.len()];
     let mut adopted = Vec::new();
     progress.start(large.iter().map(|l| l.file.size).sum());
     let mut early_bytes = 0;
-    let put = large.iter_mut().try_for_each(|l| {
+    let mut ahead = Some(ahead);
+    let mut taken = TakenAhead::default();
+    let mut order: Vec<usize> = (0..large.len()).collect();
+    order.sort_by_key(|&i| large[i].linked);
+    let put = order.into_iter().try_for_each(|i| {
+        let l = &mut large[i];
+        if l.linked {
+            if let Some(wait) = ahead.take() {
+                taken = wait();
+            }
+        }
         let md = fs::metadata(&l.real).map_err(io("cannot stat", &l.real))?;
-        let first = chunks.len();
-        if let Some(a) = ahead.take(store, &l.real, &md, l.file.size)? {
+        let chunks = &mut per_file[i];
+        if let Some(a) = taken.take(store, &l.real, &md, l.file.size)? {
             progress.advance(l.file.size);
             early_bytes += a.new_bytes;
             chunks.extend_from_slice(&a.chunks);
@@ -303,11 +315,14 @@ pub fn ingest_ahead(
                 progress,
             )?);
         }
-        debug_assert_eq!(chunks.len() - first, l.file.chunks());
+        debug_assert_eq!(chunks.len(), l.file.chunks());
         Ok::<_, StoreError>(())
     });
     progress.finish();
+    // Taken and not used (the files changed, or an error came first): theirs for gc.
+    drop(ahead.map(|wait| wait()));
     put?;
+    let chunks: Vec<ChunkRef> = per_file.concat();
     let files: Vec<FileRef> = large.iter().map(|l| l.file.clone()).collect();
     let written_bytes = writer.written_bytes() + early_bytes;
     let adopted_bytes = adopted.iter().map(|a| a.new_bytes).sum();
