@@ -22,7 +22,7 @@ use crate::error::{io, Result, StoreError};
 use crate::manifest::{ChunkRef, Manifest};
 use crate::mapped::MappedOut;
 use crate::progress::{NoProgress, Progress};
-use crate::slices::{for_each_range, parallel};
+use crate::slices::{for_each_range, interleaved, parallel};
 use crate::store::{sync_dir, write_synced, Located, Store};
 
 /// The reference a by-reference checkpoint directory keeps in place of its large files.
@@ -555,16 +555,8 @@ fn fill(
     threads: usize,
     progress: &dyn Progress,
 ) -> Result<()> {
-    let most = copies.iter().map(|c| c.chunks.len()).max().unwrap_or(0);
-    let jobs: Vec<(usize, usize)> = (0..most)
-        .flat_map(|i| {
-            copies
-                .iter()
-                .enumerate()
-                .filter(move |(_, c)| i < c.chunks.len())
-                .map(move |(n, _)| (n, i))
-        })
-        .collect();
+    let counts: Vec<usize> = copies.iter().map(|c| c.chunks.len()).collect();
+    let jobs = interleaved(&counts);
     parallel(
         jobs.len(),
         threads,

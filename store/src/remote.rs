@@ -278,18 +278,8 @@ impl Remote {
         progress: &dyn Progress,
         t: &mut Transfer,
     ) -> Result<()> {
-        // Chunk i of every pack before chunk i + 1 of any: the threads spread over the packs
-        // (a tmpfs file's page allocations go one at a time, see `dir::fill`).
-        let most = packs.iter().map(|p| p.chunks.len()).max().unwrap_or(0);
-        let jobs: Vec<(usize, usize)> = (0..most)
-            .flat_map(|i| {
-                packs
-                    .iter()
-                    .enumerate()
-                    .filter(move |(_, pack)| i < pack.chunks.len())
-                    .map(move |(p, _)| (p, i))
-            })
-            .collect();
+        let counts: Vec<usize> = packs.iter().map(|p| p.chunks.len()).collect();
+        let jobs = crate::slices::interleaved(&counts);
         let local = writer.store();
         let new_bytes = AtomicU64::new(0);
         // One chunk: `fill` puts its checked bytes at their place in the pack; then its pointer.

@@ -57,6 +57,22 @@ pub(crate) fn parallel<S, T: Send>(
         .collect())
 }
 
+/// `(file, chunk)` for files of `counts[file]` chunks, chunk `i` of every file before chunk
+/// `i + 1` of any: threads taking them in order spread over the files (on tmpfs one file's
+/// page allocations go one at a time).
+pub(crate) fn interleaved(counts: &[usize]) -> Vec<(usize, usize)> {
+    let most = counts.iter().copied().max().unwrap_or(0);
+    (0..most)
+        .flat_map(|i| {
+            counts
+                .iter()
+                .enumerate()
+                .filter(move |&(_, &n)| i < n)
+                .map(move |(f, _)| (f, i))
+        })
+        .collect()
+}
+
 /// `size` bytes cut every `slice` bytes: `(offset, len)`, the last one shorter.
 pub(crate) fn fixed(size: u64, slice: u64) -> Vec<(u64, u64)> {
     (0..size.div_ceil(slice))
