@@ -301,8 +301,7 @@ impl Remote {
         match &self.dir {
             Some(root) => {
                 let from_file = |c: &ChunkRef, dst: &mut [u8]| {
-                    let hex = c.digest.to_hex();
-                    let path = root.join("chunks").join(&hex[..2]).join(&hex);
+                    let path = root.join(chunk_object(&c.digest).as_ref());
                     let f = File::open(&path)
                         .map_err(crate::error::io("cannot open the shared chunk", &path))?;
                     if f.metadata().map(|m| m.len()).ok() != Some(c.len) {
